@@ -1,0 +1,159 @@
+"""``--hisparse-config``: the JSON object that sizes HiSparse, parsed and checked.
+
+This module imports nothing from SGLang, so the rules can be tested (and
+reused by tools) without paying for an SGLang import. The SGLang-facing side
+lives in :mod:`sglang_hisparse.arg_hooks`.
+
+Keys (all optional)::
+
+    top_k                 tokens the indexer selects per request and layer;
+                          default: the model's ``index_topk``. An explicit
+                          value must equal it (the indexer's top-k is fixed by
+                          the weights, so any other value is a mistake).
+    device_buffer_size    per-request hot buffer on the GPU, in tokens;
+                          default 2 x top_k; must be >= top_k.
+    host_to_device_ratio  host pool size as a multiple of the device KV pool;
+                          default 2.
+    swap_in_block_size    CUDA threads per block of the swap-in kernel;
+                          default 960; a multiple of 32 in [32, 1024].
+
+0.5.13's own parser accepts anything json.loads accepts (unknown keys,
+``true`` as a size, a buffer smaller than top_k with the model's top_k) and
+only fails, if at all, once weights are loaded; here every mistake is a
+:class:`HiSparseConfigError` that names the flag, the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from typing import Callable
+
+FLAG = "--hisparse-config"
+
+DEFAULT_HOST_TO_DEVICE_RATIO = 2
+# Upstream's default from 0.5.15 on: 30 warps per block.
+DEFAULT_SWAP_IN_BLOCK_SIZE = 960
+# The kernel splits a block into 32-thread warps that copy items cooperatively,
+# so a partial warp is not allowed; 1024 is CUDA's limit on threads per block.
+WARP_SIZE = 32
+MAX_SWAP_IN_BLOCK_SIZE = 1024
+
+
+class HiSparseConfigError(ValueError):
+    """A ``--hisparse-config`` value SGLang must not start with."""
+
+
+@dataclass(frozen=True)
+class HiSparseConfig:
+    # None until resolve(): taken from the model's index_topk.
+    top_k: int | None = None
+    # None until resolve(): 2 x top_k.
+    device_buffer_size: int | None = None
+    host_to_device_ratio: int = DEFAULT_HOST_TO_DEVICE_RATIO
+    swap_in_block_size: int = DEFAULT_SWAP_IN_BLOCK_SIZE
+
+    @property
+    def is_resolved(self) -> bool:
+        return self.top_k is not None and self.device_buffer_size is not None
+
+    def resolve(self, model_index_topk: int | None) -> "HiSparseConfig":
+        """Fill ``top_k`` from the model and ``device_buffer_size`` from top_k.
+
+        ``model_index_topk`` is the model config's ``index_topk`` (None for a
+        model without one). Raises HiSparseConfigError if an explicit top_k
+        differs from it, or if neither gives a top_k.
+        """
+        top_k = self.top_k
+        if model_index_topk is not None:
+            if top_k is not None and top_k != model_index_topk:
+                raise HiSparseConfigError(
+                    f"{FLAG}: top_k is {top_k} but the model's index_topk is "
+                    f"{model_index_topk}; the indexer always selects index_topk "
+                    f"tokens, so omit top_k or set it to {model_index_topk}"
+                )
+            top_k = model_index_topk
+        elif top_k is None:
+            raise HiSparseConfigError(
+                f"{FLAG}: the model config has no index_topk, so top_k must be "
+                "given (a positive integer)"
+            )
+        device_buffer_size = (
+            2 * top_k if self.device_buffer_size is None else self.device_buffer_size
+        )
+        _check_buffer_holds_top_k(device_buffer_size, top_k)
+        return replace(self, top_k=top_k, device_buffer_size=device_buffer_size)
+
+
+def _allowed_swap_in_block_size() -> str:
+    return f"a multiple of {WARP_SIZE} in [{WARP_SIZE}, {MAX_SWAP_IN_BLOCK_SIZE}]"
+
+
+# key -> (description of allowed values, check returning True when allowed)
+_KEYS: dict[str, tuple[str, Callable[[int], bool]]] = {
+    "top_k": ("a positive integer equal to the model's index_topk", lambda v: v >= 1),
+    "device_buffer_size": ("a positive integer >= top_k", lambda v: v >= 1),
+    "host_to_device_ratio": ("a positive integer", lambda v: v >= 1),
+    "swap_in_block_size": (
+        _allowed_swap_in_block_size(),
+        lambda v: WARP_SIZE <= v <= MAX_SWAP_IN_BLOCK_SIZE and v % WARP_SIZE == 0,
+    ),
+}
+KNOWN_KEYS: tuple[str, ...] = tuple(_KEYS)
+
+
+def parse_hisparse_config(text: str | None) -> HiSparseConfig:
+    """Parse the ``--hisparse-config`` value (None: flag not given -> defaults).
+
+    The result is not resolved against a model yet; see HiSparseConfig.resolve.
+    """
+    if text is None:
+        return HiSparseConfig()
+    try:
+        obj = json.loads(text, object_pairs_hook=_reject_duplicate_keys)
+    except json.JSONDecodeError as exc:
+        raise HiSparseConfigError(
+            f"{FLAG} is not valid JSON ({exc}); expected an object such as "
+            '\'{"device_buffer_size": 4096}\''
+        ) from exc
+    if not isinstance(obj, dict):
+        raise HiSparseConfigError(
+            f"{FLAG} must be a JSON object with keys from {list(KNOWN_KEYS)}, "
+            f"got {type(obj).__name__} {text!r}"
+        )
+    unknown = sorted(set(obj) - set(KNOWN_KEYS))
+    if unknown:
+        raise HiSparseConfigError(
+            f"{FLAG}: unknown key(s) {unknown}; known keys are {list(KNOWN_KEYS)}"
+        )
+    for key, value in obj.items():
+        allowed, is_allowed = _KEYS[key]
+        # bool is a subclass of int, but `true` is never a size.
+        if not isinstance(value, int) or isinstance(value, bool) or not is_allowed(value):
+            raise HiSparseConfigError(
+                f"{FLAG}: {key} must be {allowed}, got {json.dumps(value)}"
+            )
+    config = HiSparseConfig(**obj)
+    if config.top_k is not None and config.device_buffer_size is not None:
+        _check_buffer_holds_top_k(config.device_buffer_size, config.top_k)
+    return config
+
+
+def _check_buffer_holds_top_k(device_buffer_size: int, top_k: int) -> None:
+    # The swap-in kernel places all top_k selected tokens in the hot buffer.
+    if device_buffer_size < top_k:
+        raise HiSparseConfigError(
+            f"{FLAG}: device_buffer_size ({device_buffer_size}) must be >= "
+            f"top_k ({top_k}), since every selected token is placed in the "
+            "device buffer"
+        )
+
+
+def _reject_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+    # json.loads would silently keep the last of two equal keys.
+    seen: dict = {}
+    for key, value in pairs:
+        if key in seen:
+            raise HiSparseConfigError(f"{FLAG}: key {key!r} is given twice")
+        seen[key] = value
+    return seen

@@ -1,0 +1,160 @@
+"""Every place where sglang-hisparse touches SGLang, as data.
+
+Each :class:`Entry` says what is changed (``target``), how (``kind``), which
+exact source it was written against (``sha256`` per SGLang release), why, and
+when upstream made it unnecessary (``native_in``). The loader refuses to
+activate anything unless every entry checks out against the installed SGLang;
+``python -m sglang_hisparse doctor`` prints the same checks. A pin upgrade is a
+rebase of this list: ``scripts/rebase.py`` re-hashes the targets on the new
+release, re-applies the source patches and reports what needs a human.
+
+Kinds:
+  BEFORE / AFTER / AROUND / REPLACE  SGLang ``HookRegistry`` hooks (``impl``
+                                     is ``module:attr`` of our callable/class).
+  PROPERTY                           a ``@property`` getter replaced on its class
+                                     (HookRegistry cannot wrap properties).
+  SOURCE_PATCH                       a unified diff under
+                                     ``patches/sglang-<version>/<target>.diff``
+                                     applied to the target's source in memory,
+                                     compiled in the target's module and installed
+                                     as a REPLACE (code a hook cannot reach).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Kind(str, enum.Enum):
+    BEFORE = "BEFORE"
+    AFTER = "AFTER"
+    AROUND = "AROUND"
+    REPLACE = "REPLACE"
+    PROPERTY = "PROPERTY"
+    SOURCE_PATCH = "SOURCE_PATCH"
+
+
+class Scope(str, enum.Enum):
+    # Always applied: argument handling and fixes that SGLang's own HiSparse
+    # also needs (they keep the "native" comparison mode usable).
+    ALWAYS = "always"
+    # Our data plane (coordinator, allocator, pools, kernels). Skipped when
+    # SGLANG_HISPARSE_NATIVE=1 asks for SGLang's own HiSparse with fixes only.
+    DATA_PLANE = "data_plane"
+
+
+@dataclass(frozen=True)
+class Entry:
+    target: str
+    kind: Kind
+    sha256: dict[str, str]  # SGLang version -> sha256 of the target's source
+    why: str
+    native_in: str | None  # upstream release where the behaviour became native
+    impl: str | None = None  # "module:attr" of our hook; None for SOURCE_PATCH
+    upstream: str = ""  # where upstream did it (release file:line, PR)
+    scope: Scope = Scope.ALWAYS
+    removal: str = ""  # what to do with this entry once the pin passes native_in
+
+    @property
+    def name(self) -> str:
+        return self.target.removeprefix("sglang.srt.")
+
+
+_SCHED = "sglang.srt.managers.scheduler.Scheduler"
+_HISPARSE_HOOK = "sglang.srt.arg_groups.hisparse_hook"
+_FACTORY = "sglang.srt.mem_cache.sparsity.factory"
+
+ENTRIES: tuple[Entry, ...] = (
+    Entry(
+        target=f"{_SCHED}._build_hisparse_decode_batch",
+        kind=Kind.SOURCE_PATCH,
+        sha256={"0.5.13": "7c899bd9aeef7487132b4a4d01dc802c971bb059244ad468bb4c93128ac6c352"},
+        why=(
+            "0.5.13 builds the staged-to-decode batch without req_pool_indices_cpu; "
+            "the first decode step then indexes None in the eager backup "
+            "(TypeError at hisparse_coordinator.py:535) and every request dies."
+        ),
+        native_in="0.5.15",
+        upstream="0.5.15 srt/managers/scheduler.py:2572",
+        removal="drop on a pin >= 0.5.15 (the CPU indices are set natively)",
+    ),
+    Entry(
+        target=f"{_HISPARSE_HOOK}.validate_hisparse",
+        kind=Kind.REPLACE,
+        sha256={"0.5.13": "3e02dbb17e53162f30d19c6c530ed1a55e4da4709d2081fbe652f8b148f7e625"},
+        why=(
+            "0.5.13 checks only the model class, radix cache, KV dtype and DSA "
+            "backend (with asserts). It accepts invalid --hisparse-config JSON, "
+            "unknown keys, device_buffer_size < top_k, --enable-mixed-chunk, "
+            "speculative topk > 1 / adaptive, draft tokens beyond the newest-token "
+            "page and --pp-size > 1; these fail later, after weights load, or "
+            "corrupt KV. Ours rejects all of them in check_server_args, listing "
+            "every problem in one ValueError."
+        ),
+        native_in=None,
+        impl="sglang_hisparse.arg_hooks.validation:validate_hisparse",
+        upstream=(
+            "0.5.23 srt/arg_groups/hisparse_hook.py:87-165 (mixed-chunk and "
+            "speculative topk/adaptive rules from 0.5.22; no config, PP or "
+            "draft-page rules)"
+        ),
+        removal=(
+            "keep: no release validates --hisparse-config at startup; on a pin "
+            "upgrade re-hash and retarget (0.5.23 calls it from "
+            "arg_groups/overrides.py:_hisparse_validation)"
+        ),
+    ),
+    Entry(
+        target=f"{_HISPARSE_HOOK}.apply_hisparse_dsa_backend_defaults",
+        kind=Kind.REPLACE,
+        sha256={"0.5.13": "3aecab7831a2e57a782c3ff4413d8a16c3de26bc5119049d67361a1a04e986ce"},
+        why=(
+            "Same defaults as 0.5.13 (bfloat16 -> flashmla_sparse, fp8_e4m3 -> "
+            "flashmla_kv). Replaced so the backend we default to and the backend "
+            "validate_hisparse accepts come from one table "
+            "(sglang_hisparse.arg_hooks.backends) and cannot drift apart."
+        ),
+        native_in="0.5.13",
+        impl="sglang_hisparse.arg_hooks.backends:apply_hisparse_dsa_backend_defaults",
+        upstream=(
+            "0.5.13 srt/arg_groups/hisparse_hook.py:23-46; 0.5.23 moved it into "
+            "arg_groups/overrides.py:_dsa_split_backend_resolution (677-706)"
+        ),
+        removal=(
+            "droppable together with our validate_hisparse only; while that is "
+            "ours, keep this so both read backends.DSA_BACKEND_BY_KV_CACHE_DTYPE"
+        ),
+    ),
+    Entry(
+        target=f"{_FACTORY}.parse_hisparse_config",
+        kind=Kind.REPLACE,
+        sha256={"0.5.13": "be442b0734f70694cf93a059ba0ebd09668cc0d4e57aa014bc25a928c7e33970"},
+        why=(
+            "The pools, allocator and coordinator read --hisparse-config here. "
+            "0.5.13 (via _parse_sparse_config) keeps unknown keys, takes true as "
+            "a size, defaults top_k to 2048 whatever the model, and checks "
+            "device_buffer_size against that default rather than the model's "
+            "index_topk. Ours returns SparseConfig from sglang_hisparse.config "
+            "(same rules and errors as startup), top_k = the model's index_topk, "
+            "swap_in_block_size in sparse_extra_config."
+        ),
+        native_in=None,
+        impl="sglang_hisparse.arg_hooks.sparse_config:parse_hisparse_config",
+        upstream=(
+            "0.5.23 srt/mem_cache/sparsity/factory.py:62-117 (adds "
+            "swap_in_block_size, still no key or type checks; no server_args "
+            "parameter from 0.5.19)"
+        ),
+        removal=(
+            "keep; on a pin >= 0.5.19 the signature is parse_hisparse_config() "
+            "and our replacement must read get_memory() instead of server_args"
+        ),
+    ),
+)
+
+
+def entries_for(native_only: bool) -> tuple[Entry, ...]:
+    if native_only:
+        return tuple(e for e in ENTRIES if e.scope is Scope.ALWAYS)
+    return ENTRIES

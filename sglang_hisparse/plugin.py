@@ -1,0 +1,239 @@
+"""The plugin entry point: check the whole manifest, then install all of it or nothing.
+
+SGLang calls :func:`register` (entry point ``sglang_hisparse`` in group
+``sglang.srt.plugins``) from ``load_plugins()`` in the launcher and first thing
+in every scheduler process, then applies the registered hooks. We check every
+manifest entry against the installed SGLang before registering anything: an
+unsupported release, a target whose source changed, or a patch that no longer
+applies leaves SGLang exactly as it was and logs one error naming the cause.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import pkgutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from sglang_hisparse import SUPPORTED_SGLANG_VERSIONS
+from sglang_hisparse.manifest import ENTRIES, Entry, Kind, entries_for
+from sglang_hisparse.pinned_source import (
+    TargetNotFound,
+    read_pinned_source,
+    sglang_version,
+)
+from sglang_hisparse.source_patch import (
+    PatchError,
+    apply_unified_diff,
+    compile_patched,
+    patch_file,
+)
+
+logger = logging.getLogger("sglang_hisparse")
+
+# Set to 1 to run SGLang's own HiSparse with only our argument handling and
+# fixes (the "native" arm of the benchmarks); our data plane stays out.
+NATIVE_ENV = "SGLANG_HISPARSE_NATIVE"
+
+
+@dataclass
+class EntryCheck:
+    entry: Entry
+    ok: bool
+    detail: str
+    # What to install once every entry passed (None when only checked).
+    hook: object | None = None
+
+
+@dataclass
+class Activation:
+    version: str | None
+    applied: bool
+    checks: list[EntryCheck] = field(default_factory=list)
+    error: str | None = None
+
+
+_activation: Activation | None = None
+
+# (owner, attribute, raw original) for everything we replaced, for rollback.
+_originals: list[tuple[object, str, object]] = []
+
+
+def _owner_and_attr(target: str):
+    owner_path, attr = target.rsplit(".", 1)
+    return pkgutil.resolve_name(owner_path), attr
+
+
+def _resolve_impl(entry: Entry):
+    module_name, _, attr = (entry.impl or "").partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"impl {entry.impl!r} is not 'module:attr'")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def check_entry(
+    entry: Entry, version: str, root: Path | None = None, *, build: bool = True
+) -> EntryCheck:
+    """Check one entry against the SGLang at ``root`` (default: the installed one).
+
+    With ``build`` the target module is imported and the hook object built, so
+    that installing it afterwards cannot fail halfway; without it the check is
+    purely textual (the doctor uses that for foreign installs).
+    """
+    try:
+        pinned = read_pinned_source(entry.target, root)
+    except TargetNotFound as exc:
+        return EntryCheck(entry, False, f"target not found ({exc})")
+    want = entry.sha256.get(version)
+    if want is None:
+        return EntryCheck(entry, False, f"no pinned hash for sglang {version}")
+    if pinned.sha256 != want:
+        return EntryCheck(
+            entry,
+            False,
+            f"source changed: sha256 {pinned.sha256[:12]} != pinned {want[:12]} "
+            f"({pinned.path.name}:{pinned.first_line})",
+        )
+    hook = None
+    try:
+        if entry.kind is Kind.SOURCE_PATCH:
+            path = patch_file(version, entry.target)
+            if not path.is_file():
+                return EntryCheck(entry, False, f"patch file missing: {path}")
+            patched = apply_unified_diff(entry.target, pinned.text, path.read_text())
+            if build:
+                importlib.import_module(pinned.module)
+                owner, _ = _owner_and_attr(entry.target)
+                hook = compile_patched(
+                    pinned, patched, owner if isinstance(owner, type) else None
+                )
+        elif build:
+            hook = _resolve_impl(entry)
+    except PatchError as exc:
+        return EntryCheck(entry, False, f"patch does not apply: {exc.reason}")
+    except Exception as exc:  # import errors, bad impl paths
+        return EntryCheck(entry, False, f"cannot build hook: {type(exc).__name__}: {exc}")
+    return EntryCheck(entry, True, "ok", hook)
+
+
+def _install(checks: list[EntryCheck]) -> list[str]:
+    """Register every hook and apply them; return targets that did not apply."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    hooked: list[str] = []
+    for check in checks:
+        entry = check.entry
+        if entry.kind is Kind.PROPERTY:
+            owner, attr = _owner_and_attr(entry.target)
+            _originals.append((owner, attr, owner.__dict__[attr]))
+            setattr(owner, attr, property(check.hook))
+            continue
+        hook_type = (
+            HookType.REPLACE
+            if entry.kind is Kind.SOURCE_PATCH
+            else HookType[entry.kind.value]
+        )
+        owner, attr = _owner_and_attr(entry.target)
+        _originals.append((owner, attr, owner.__dict__[attr]))
+        HookRegistry.register(entry.target, check.hook, hook_type)
+        hooked.append(entry.target)
+    HookRegistry.apply_hooks()
+    return [t for t in hooked if t not in HookRegistry._patched]
+
+
+
+def _rollback(targets: list[str]) -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    for owner, attr, raw in reversed(_originals):
+        current = owner.__dict__.get(attr)
+        if current is not raw:
+            setattr(owner, attr, raw)
+            # Undo HookRegistry's propagation into `from X import f` bindings.
+            for mod in list(sys.modules.values()):
+                d = getattr(mod, "__dict__", None)
+                if not d:
+                    continue
+                for k, v in list(d.items()):
+                    if v is current:
+                        setattr(mod, k, raw)
+    for t in targets:
+        HookRegistry._hooks.pop(t, None)
+        HookRegistry._patched.discard(t)
+    _originals.clear()
+
+
+def activate(
+    entries: tuple[Entry, ...] | None = None, *, version: str | None = None
+) -> Activation:
+    """Check every entry, then install all of them or none."""
+    try:
+        version = version or sglang_version()
+    except Exception as exc:
+        return _refuse(Activation(None, False, error=f"sglang not found: {exc}"))
+    if version not in SUPPORTED_SGLANG_VERSIONS:
+        return _refuse(
+            Activation(
+                version,
+                False,
+                error=(
+                    f"sglang {version} is not supported (this sglang-hisparse "
+                    f"supports {', '.join(SUPPORTED_SGLANG_VERSIONS)}); "
+                    "SGLang runs without HiSparse changes"
+                ),
+            )
+        )
+    if entries is None:
+        entries = entries_for(native_only=os.environ.get(NATIVE_ENV) == "1")
+    checks = [check_entry(e, version) for e in entries]
+    bad = [c for c in checks if not c.ok]
+    if bad:
+        listing = "; ".join(f"{c.entry.target}: {c.detail}" for c in bad)
+        return _refuse(
+            Activation(
+                version,
+                False,
+                checks,
+                error=(
+                    f"{len(bad)} manifest entr{'y' if len(bad) == 1 else 'ies'} "
+                    f"failed on sglang {version}, nothing was patched: {listing}"
+                ),
+            )
+        )
+    not_applied = _install(checks)
+    if not_applied:
+        _rollback([c.entry.target for c in checks])
+        return _refuse(
+            Activation(
+                version,
+                False,
+                checks,
+                error=f"hooks failed to apply, all rolled back: {', '.join(not_applied)}",
+            )
+        )
+    logger.info(
+        "sglang-hisparse active on sglang %s: %d manifest entries installed",
+        version,
+        len(checks),
+    )
+    return Activation(version, True, checks)
+
+
+def _refuse(activation: Activation) -> Activation:
+    logger.error("sglang-hisparse not activated: %s", activation.error)
+    return activation
+
+
+def register() -> None:
+    """SGLang plugin entry point. Idempotent within a process."""
+    global _activation
+    if _activation is None:
+        _activation = activate()
+
+
+def current_activation() -> Activation | None:
+    return _activation

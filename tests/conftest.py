@@ -1,0 +1,67 @@
+"""Test set-up shared by every test module.
+
+TRITON_INTERPRET must be set before anything imports triton (SGLang does at
+import time), so it is set here, at the very top, for in-process tests and
+for the subprocesses tests start. CUDA_HOME points the JIT loader at nvcc.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+if not os.environ.get("CUDA_HOME"):
+    for _cand in ("/usr/local/cuda", "/usr/local/cuda-13.0"):
+        if Path(_cand, "bin", "nvcc").exists():
+            os.environ["CUDA_HOME"] = _cand
+            break
+
+import pytest  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
+    config.addinivalue_line("markers", "jit: compiles CUDA with nvcc (skipped without it)")
+
+
+def pytest_collection_modifyitems(config, items):
+    import shutil
+
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except Exception:
+        has_cuda = False
+    has_nvcc = bool(shutil.which("nvcc")) or bool(
+        os.environ.get("CUDA_HOME") and Path(os.environ["CUDA_HOME"], "bin", "nvcc").exists()
+    )
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+        if "jit" in item.keywords and not has_nvcc:
+            item.add_marker(pytest.mark.skip(reason="needs nvcc"))
+
+
+def run_python(code: str, env: dict | None = None, timeout: int = 300):
+    """Run ``code`` in a fresh interpreter (SGLang's hook registry is process-global)."""
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+        cwd=str(REPO),
+    )
+    return proc
+
+
+@pytest.fixture
+def python_subprocess():
+    return run_python
