@@ -46,9 +46,9 @@ class HiSparseConfigError(ValueError):
 
 @dataclass(frozen=True)
 class HiSparseConfig:
-    # None until resolve(): taken from the model's index_topk.
+    # None: not given; resolve() takes the model's index_topk.
     top_k: int | None = None
-    # None until resolve(): 2 x top_k.
+    # None: not given; resolve() makes it 2 x top_k.
     device_buffer_size: int | None = None
     host_to_device_ratio: int = DEFAULT_HOST_TO_DEVICE_RATIO
     swap_in_block_size: int = DEFAULT_SWAP_IN_BLOCK_SIZE
@@ -57,7 +57,7 @@ class HiSparseConfig:
     def is_resolved(self) -> bool:
         return self.top_k is not None and self.device_buffer_size is not None
 
-    def resolve(self, model_index_topk: int | None) -> "HiSparseConfig":
+    def resolve(self, model_index_topk: int | None) -> HiSparseConfig:
         """Fill ``top_k`` from the model and ``device_buffer_size`` from top_k.
 
         ``model_index_topk`` is the model config's ``index_topk`` (None for a
@@ -85,17 +85,13 @@ class HiSparseConfig:
         return replace(self, top_k=top_k, device_buffer_size=device_buffer_size)
 
 
-def _allowed_swap_in_block_size() -> str:
-    return f"a multiple of {WARP_SIZE} in [{WARP_SIZE}, {MAX_SWAP_IN_BLOCK_SIZE}]"
-
-
 # key -> (description of allowed values, check returning True when allowed)
 _KEYS: dict[str, tuple[str, Callable[[int], bool]]] = {
     "top_k": ("a positive integer equal to the model's index_topk", lambda v: v >= 1),
     "device_buffer_size": ("a positive integer >= top_k", lambda v: v >= 1),
     "host_to_device_ratio": ("a positive integer", lambda v: v >= 1),
     "swap_in_block_size": (
-        _allowed_swap_in_block_size(),
+        f"a multiple of {WARP_SIZE} in [{WARP_SIZE}, {MAX_SWAP_IN_BLOCK_SIZE}]",
         lambda v: WARP_SIZE <= v <= MAX_SWAP_IN_BLOCK_SIZE and v % WARP_SIZE == 0,
     ),
 }

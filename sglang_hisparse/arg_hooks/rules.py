@@ -60,18 +60,17 @@ class HiSparseServerArgs:
     speculative_adaptive: bool
 
 
-def check_hisparse_server_args(args: HiSparseServerArgs) -> HiSparseConfig | None:
-    """Raise HiSparseArgumentError listing every problem; else return the resolved config.
-
-    Returns None only when the model is unsupported (and then raises first).
-    """
+def check_hisparse_server_args(args: HiSparseServerArgs) -> HiSparseConfig:
+    """Raise HiSparseArgumentError listing every problem; else return the resolved config."""
     problems, config = find_problems(args)
     if problems:
         raise HiSparseArgumentError(problems)
+    assert config is not None  # only missing alongside a problem
     return config
 
 
 def find_problems(args: HiSparseServerArgs) -> tuple[list[str], HiSparseConfig | None]:
+    """Every problem (empty if none) and the resolved config (None if unresolvable)."""
     problems: list[str] = []
     config: HiSparseConfig | None = None
 

@@ -1,0 +1,354 @@
+"""--enable-hisparse / --hisparse-config through SGLang's real argument path.
+
+Every case goes through ``prepare_server_args(argv)`` + ``check_server_args()``
+of the installed SGLang 0.5.13, in two fresh interpreters: one with our plugin
+activated, one without it (to show what 0.5.13 lets through on its own). All
+cases of one interpreter share one SGLang import (see helpers_sglang).
+"""
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from helpers_sglang import TINY_DSV32, check_server_args_cases
+
+HISPARSE = ["--device", "cuda", "--enable-hisparse", "--disable-radix-cache"]
+EAGLE = ["--speculative-algorithm", "EAGLE", "--speculative-eagle-topk", "1"]
+
+
+def dsv32(*extra: str) -> dict:
+    return {"argv": ["--model-path", str(TINY_DSV32), *HISPARSE, *extra]}
+
+
+def config(obj) -> list[str]:
+    return ["--hisparse-config", obj if isinstance(obj, str) else json.dumps(obj)]
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """Config-only DeepSeek-V4 and DeepSeek-V3 (no DSA indexer) model dirs."""
+    base = json.loads((TINY_DSV32 / "config.json").read_text())
+    v3 = {k: v for k, v in base.items() if not k.startswith("index_")}
+    v3.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3")
+    v4 = dict(
+        architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4",
+        hidden_size=1024, num_hidden_layers=4, num_attention_heads=64,
+        num_key_value_heads=1, vocab_size=32768, n_routed_experts=8,
+        num_experts_per_tok=2, torch_dtype="bfloat16", head_dim=512,
+        qk_rope_head_dim=64, qk_nope_head_dim=448, v_head_dim=512,
+        kv_lora_rank=512, q_lora_rank=1024, sliding_window=128,
+        index_head_dim=128, index_n_heads=64, index_topk=512,
+        compress_ratios=[0, 4, 128, 4], max_position_embeddings=65536,
+    )
+    dirs = {}
+    for name, cfg in (("v3", v3), ("v4", v4)):
+        d = tmp_path_factory.mktemp(f"tiny-{name}")
+        (d / "config.json").write_text(json.dumps(cfg))
+        dirs[name] = str(d)
+    return dirs
+
+
+def cases_with_plugin(dirs) -> dict:
+    v4 = lambda *extra: {"argv": ["--model-path", dirs["v4"], *HISPARSE, *extra]}  # noqa: E731
+    return {
+        # Happy paths.
+        "default": dsv32(),
+        "fp8": dsv32("--kv-cache-dtype", "fp8_e4m3",
+                     *config({"device_buffer_size": 3072, "host_to_device_ratio": 4})),
+        "explicit_top_k_equal_to_model": dsv32(*config({"top_k": 2048})),
+        "speculative_linear": dsv32(*EAGLE, "--speculative-num-steps", "3",
+                                    "--speculative-num-draft-tokens", "4"),
+        "deepseek_v4": v4(),
+        "hisparse_off": {"argv": ["--model-path", str(TINY_DSV32), "--device", "cuda",
+                                  *config("{bad")]},
+        # One rule each.
+        "invalid_json": dsv32(*config("{bad")),
+        "non_object_json": dsv32(*config("[2048]")),
+        "unknown_key": dsv32(*config({"topk": 64})),
+        "bool_size": dsv32(*config({"host_to_device_ratio": True})),
+        "buffer_below_top_k": dsv32(*config({"top_k": 2048, "device_buffer_size": 1024})),
+        "buffer_below_model_top_k": dsv32(*config({"device_buffer_size": 1024})),
+        "top_k_differs_from_model": dsv32(*config({"top_k": 64, "device_buffer_size": 128})),
+        "model_not_dsa": {"argv": ["--model-path", dirs["v3"], *HISPARSE]},
+        "radix_cache_on": {"argv": ["--model-path", str(TINY_DSV32), "--device", "cuda",
+                                    "--enable-hisparse"]},
+        "mixed_chunk": dsv32("--enable-mixed-chunk"),
+        # SGLang's own assert rejects this dtype for DSA in prepare_server_args;
+        # set it afterwards to reach our check (as under python -O).
+        "kv_dtype": {**dsv32(), "set": {"kv_cache_dtype": "fp8_e5m2"}},
+        "kv_dtype_native_assert_first": dsv32("--kv-cache-dtype", "fp8_e5m2"),
+        "decode_backend_for_bf16": dsv32("--dsa-decode-backend", "tilelang"),
+        "prefill_backend_for_fp8": dsv32("--kv-cache-dtype", "fp8_e4m3",
+                                         "--dsa-prefill-backend", "flashmla_sparse"),
+        # SGLang rejects topk > 1 with page_size > 1 itself unless the attention
+        # backend can draft trees over pages; triton can, so ours must catch it.
+        "speculative_tree": dsv32("--attention-backend", "triton", "--speculative-algorithm",
+                                  "EAGLE", "--speculative-eagle-topk", "2",
+                                  "--speculative-num-steps", "3",
+                                  "--speculative-num-draft-tokens", "8"),
+        "speculative_tree_native_first": dsv32("--speculative-algorithm", "EAGLE",
+                                               "--speculative-eagle-topk", "2",
+                                               "--speculative-num-steps", "3",
+                                               "--speculative-num-draft-tokens", "8"),
+        "speculative_adaptive": dsv32(*EAGLE, "--speculative-num-steps", "3",
+                                      "--speculative-num-draft-tokens", "4",
+                                      "--speculative-adaptive"),
+        "draft_tokens_beyond_page": dsv32(*EAGLE, "--speculative-num-steps", "63",
+                                          "--speculative-num-draft-tokens", "64"),
+        "draft_tokens_fill_page": dsv32(*EAGLE, "--speculative-num-steps", "62",
+                                        "--speculative-num-draft-tokens", "63"),
+        "pipeline_parallel": dsv32("--pp-size", "2", "--disable-overlap-schedule"),
+        "several_problems": {"argv": ["--model-path", str(TINY_DSV32), "--device", "cuda",
+                                      "--enable-hisparse", "--enable-mixed-chunk",
+                                      *config("{bad")]},
+        "deepseek_v4_mixed_chunk": v4("--enable-mixed-chunk"),
+        "deepseek_v4_top_k_differs": v4(*config({"top_k": 2048})),
+    }
+
+
+CASES_WITHOUT_PLUGIN = {
+    "invalid_json": dsv32(*config("{bad")),
+    "unknown_key": dsv32(*config({"topk": 64})),
+    "buffer_below_model_top_k": dsv32(*config({"top_k": 64, "device_buffer_size": 128})),
+    "buffer_below_default_top_k": dsv32(*config({"device_buffer_size": 1024})),
+    "mixed_chunk": dsv32("--enable-mixed-chunk"),
+    "pipeline_parallel": dsv32("--pp-size", "2", "--disable-overlap-schedule"),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(model_dirs):
+    # Both interpreters at once: each spends most of its time importing SGLang.
+    with ThreadPoolExecutor(2) as pool:
+        ours = pool.submit(check_server_args_cases, cases_with_plugin(model_dirs), activate=True)
+        native = pool.submit(check_server_args_cases, CASES_WITHOUT_PLUGIN, activate=False)
+        return {"ours": ours.result(), "native": native.result()}
+
+
+@pytest.fixture(scope="module")
+def ours(runs):
+    activation = runs["ours"]["activation"]
+    assert activation["applied"], activation["error"]
+    return runs["ours"]["results"]
+
+
+@pytest.fixture(scope="module")
+def native(runs):
+    assert runs["native"]["activation"] is None
+    return runs["native"]["results"]
+
+
+def rejected(result: dict, *fragments: str) -> str:
+    """Assert our check_server_args raised a ValueError containing every fragment."""
+    assert not result["ok"], result
+    assert result["stage"] == "check_server_args", result
+    assert result["error_type"] == "HiSparseArgumentError", result
+    for fragment in fragments:
+        assert fragment in result["error"], (fragment, result["error"])
+    return result["error"]
+
+
+# --- happy paths -----------------------------------------------------------
+
+
+def test_defaults_bf16_backends_and_top_k_from_model(ours):
+    result = ours["default"]
+    assert result["ok"], result
+    fields = result["fields"]
+    assert fields["kv_cache_dtype"] == "bfloat16"  # "auto" on SM90
+    assert fields["dsa_prefill_backend"] == fields["dsa_decode_backend"] == "flashmla_sparse"
+    sparse = result["sparse_config"]
+    assert (sparse["top_k"], sparse["device_buffer_size"]) == (2048, 4096)
+    assert sparse["host_to_device_ratio"] == 2
+    assert sparse["sparse_extra_config"] == {"swap_in_block_size": 960}
+
+
+def test_fp8_backends_and_explicit_sizes(ours):
+    result = ours["fp8"]
+    assert result["ok"], result
+    assert result["fields"]["dsa_prefill_backend"] == "flashmla_kv"
+    assert result["fields"]["dsa_decode_backend"] == "flashmla_kv"
+    sparse = result["sparse_config"]
+    assert (sparse["top_k"], sparse["device_buffer_size"]) == (2048, 3072)
+    assert sparse["host_to_device_ratio"] == 4
+
+
+def test_explicit_top_k_equal_to_the_model_is_accepted(ours):
+    assert ours["explicit_top_k_equal_to_model"]["ok"]
+
+
+def test_linear_speculation_is_accepted(ours):
+    result = ours["speculative_linear"]
+    assert result["ok"], result
+    assert result["fields"]["speculative_eagle_topk"] == 1
+
+
+def test_draft_tokens_may_fill_the_newest_token_page(ours):
+    result = ours["draft_tokens_fill_page"]
+    assert result["ok"], result
+    assert result["fields"]["speculative_num_draft_tokens"] == 63  # page_size 64 - 1
+
+
+def test_deepseek_v4_keeps_native_dtype_and_backend(ours):
+    result = ours["deepseek_v4"]
+    assert result["ok"], result
+    fields = result["fields"]
+    assert (fields["attention_backend"], fields["kv_cache_dtype"]) == ("dsv4", "fp8_e4m3")
+    assert fields["dsa_prefill_backend"] is None and fields["dsa_decode_backend"] is None
+    assert result["sparse_config"]["top_k"] == 512  # the V4 config's index_topk
+    assert result["sparse_config"]["device_buffer_size"] == 1024
+
+
+def test_without_enable_hisparse_our_hooks_stay_out(ours):
+    result = ours["hisparse_off"]
+    assert result["ok"], result
+    # SGLang's own SM90 bf16 defaults, not ours.
+    assert result["fields"]["dsa_decode_backend"] == "fa3"
+
+
+# --- one rule each -----------------------------------------------------------
+
+
+def test_invalid_json(ours):
+    rejected(ours["invalid_json"], "--hisparse-config is not valid JSON")
+
+
+def test_non_object_json(ours):
+    rejected(ours["non_object_json"], "--hisparse-config must be a JSON object", "list")
+
+
+def test_unknown_key_lists_known_keys(ours):
+    rejected(ours["unknown_key"], "unknown key(s) ['topk']",
+             "['top_k', 'device_buffer_size', 'host_to_device_ratio', 'swap_in_block_size']")
+
+
+def test_size_must_be_a_positive_integer_not_bool(ours):
+    rejected(ours["bool_size"], "host_to_device_ratio must be a positive integer, got true")
+
+
+def test_buffer_below_top_k(ours):
+    rejected(ours["buffer_below_top_k"], "device_buffer_size (1024) must be >= top_k (2048)")
+    rejected(ours["buffer_below_model_top_k"], "device_buffer_size (1024) must be >= top_k (2048)")
+
+
+def test_top_k_must_equal_model_index_topk(ours):
+    rejected(ours["top_k_differs_from_model"], "--hisparse-config: top_k is 64",
+             "index_topk is 2048")
+    rejected(ours["deepseek_v4_top_k_differs"], "top_k is 2048", "index_topk is 512")
+
+
+def test_model_must_be_dsa_or_deepseek_v4(ours):
+    rejected(ours["model_not_dsa"], "DSA models", "DeepSeek-V4",
+             "'DeepseekV3ForCausalLM'")
+
+
+def test_radix_cache_must_be_disabled(ours):
+    rejected(ours["radix_cache_on"], "--enable-hisparse requires --disable-radix-cache")
+
+
+def test_mixed_chunk_is_rejected(ours):
+    rejected(ours["mixed_chunk"], "does not support --enable-mixed-chunk")
+    rejected(ours["deepseek_v4_mixed_chunk"], "does not support --enable-mixed-chunk")
+
+
+def test_kv_cache_dtype(ours):
+    rejected(ours["kv_dtype"], "--kv-cache-dtype in ['bfloat16', 'fp8_e4m3'], got fp8_e5m2")
+    # Through argv, SGLang's DSA default step asserts before our check runs.
+    native_first = ours["kv_dtype_native_assert_first"]
+    assert native_first["stage"] == "prepare_server_args"
+    assert native_first["error_type"] == "AssertionError"
+    assert "fp8_e4m3" in native_first["error"]
+
+
+def test_dsa_backend_must_read_the_hisparse_pool(ours):
+    rejected(ours["decode_backend_for_bf16"],
+             "--kv-cache-dtype bfloat16 needs --dsa-decode-backend flashmla_sparse",
+             "got tilelang")
+    rejected(ours["prefill_backend_for_fp8"],
+             "--kv-cache-dtype fp8_e4m3 needs --dsa-prefill-backend flashmla_kv",
+             "got flashmla_sparse")
+
+
+def test_speculative_topk_must_be_one(ours):
+    rejected(ours["speculative_tree"], "needs --speculative-eagle-topk 1", "got 2")
+    # With the DSA attention backend SGLang already refuses topk > 1 on pages.
+    native_first = ours["speculative_tree_native_first"]
+    assert native_first["stage"] == "prepare_server_args"
+    assert "page_size > 1" in native_first["error"]
+
+
+def test_adaptive_speculation_is_rejected(ours):
+    rejected(ours["speculative_adaptive"], "does not support --speculative-adaptive")
+
+
+def test_draft_tokens_must_fit_the_newest_token_page(ours):
+    rejected(ours["draft_tokens_beyond_page"],
+             "--speculative-num-draft-tokens <= page_size - 1 = 63", "got 64")
+
+
+def test_pipeline_parallelism_not_supported_yet(ours):
+    rejected(ours["pipeline_parallel"], "pipeline parallelism yet", "--pp-size must be 1, got 2")
+
+
+def test_every_problem_is_reported_at_once(ours):
+    message = rejected(ours["several_problems"], "3 problems with --enable-hisparse",
+                       "not valid JSON", "--disable-radix-cache", "--enable-mixed-chunk")
+    assert message.count("\n  - ") == 3
+
+
+# --- what 0.5.13 accepts without us --------------------------------------
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["invalid_json", "unknown_key", "buffer_below_model_top_k",
+     "buffer_below_default_top_k", "mixed_chunk", "pipeline_parallel"],
+)
+def test_sglang_alone_accepts_it_at_startup(native, case):
+    assert native[case]["ok"], native[case]
+
+
+def test_sglang_alone_fails_later_or_never(native):
+    # Invalid JSON only fails when the model runner builds the pool.
+    assert native["invalid_json"]["sparse_config_error"]["error_type"] == "ValueError"
+    # An unknown key is carried along silently.
+    assert native["unknown_key"]["sparse_config"]["sparse_extra_config"] == {"topk": 64}
+    # top_k 64 is overridden by the model's index_topk (2048) in the model
+    # runner, leaving a 128-token buffer for 2048 selected tokens.
+    sparse = native["buffer_below_model_top_k"]["sparse_config"]
+    assert (sparse["top_k"], sparse["device_buffer_size"]) == (64, 128)
+
+
+# --- pure rules (no SGLang) ----------------------------------------------
+
+
+def _dsa_args(**changes):
+    from dataclasses import replace
+
+    from sglang_hisparse.arg_hooks.rules import HiSparseServerArgs, ModelFamily
+
+    args = HiSparseServerArgs(
+        model_architecture="DeepseekV32ForCausalLM", model_family=ModelFamily.DSA,
+        model_index_topk=2048, hisparse_config=None, disable_radix_cache=True,
+        enable_mixed_chunk=False, pp_size=1, page_size=64, kv_cache_dtype="bfloat16",
+        dsa_prefill_backend="flashmla_sparse", dsa_decode_backend="flashmla_sparse",
+        speculative_algorithm=None, speculative_eagle_topk=None,
+        speculative_num_draft_tokens=None, speculative_adaptive=False,
+    )
+    return replace(args, **changes)
+
+
+def test_rules_accept_the_bf16_alias_and_return_the_resolved_config():
+    from sglang_hisparse.arg_hooks.rules import check_hisparse_server_args
+
+    config = check_hisparse_server_args(_dsa_args(kv_cache_dtype="bf16"))
+    assert (config.top_k, config.device_buffer_size) == (2048, 4096)
+
+
+def test_rules_reject_an_unresolved_auto_kv_dtype():
+    # SGLang resolves "auto" for DSA on CUDA/ROCm; anywhere else it reaches us.
+    from sglang_hisparse.arg_hooks.rules import HiSparseArgumentError, check_hisparse_server_args
+
+    with pytest.raises(HiSparseArgumentError, match=r"got auto"):
+        check_hisparse_server_args(_dsa_args(kv_cache_dtype="auto"))

@@ -1,0 +1,141 @@
+"""The pure ``--hisparse-config`` parser (no SGLang import)."""
+
+import json
+import sys
+
+import pytest
+
+from sglang_hisparse.config import (
+    KNOWN_KEYS,
+    HiSparseConfig,
+    HiSparseConfigError,
+    parse_hisparse_config,
+)
+
+
+def test_no_flag_gives_defaults_resolved_from_the_model():
+    config = parse_hisparse_config(None)
+    assert config == HiSparseConfig()
+    assert not config.is_resolved
+    resolved = config.resolve(model_index_topk=2048)
+    assert resolved.is_resolved
+    assert (resolved.top_k, resolved.device_buffer_size) == (2048, 4096)
+    assert (resolved.host_to_device_ratio, resolved.swap_in_block_size) == (2, 960)
+
+
+def test_explicit_values_are_kept():
+    text = json.dumps(
+        {
+            "top_k": 512,
+            "device_buffer_size": 1024,
+            "host_to_device_ratio": 4,
+            "swap_in_block_size": 512,
+        }
+    )
+    resolved = parse_hisparse_config(text).resolve(model_index_topk=512)
+    assert resolved == HiSparseConfig(512, 1024, 4, 512)
+
+
+def test_empty_object_is_all_defaults():
+    assert parse_hisparse_config("{}") == HiSparseConfig()
+
+
+def _error(text: str) -> str:
+    with pytest.raises(HiSparseConfigError) as info:
+        parse_hisparse_config(text)
+    assert isinstance(info.value, ValueError)
+    message = str(info.value)
+    assert "--hisparse-config" in message
+    return message
+
+
+@pytest.mark.parametrize("text", ["{bad", "", "{'top_k': 64}", '{"top_k": 64,}'])
+def test_invalid_json(text):
+    assert "not valid JSON" in _error(text)
+
+
+@pytest.mark.parametrize("text", ["[]", "64", '"top_k"', "null", "true"])
+def test_non_object_json(text):
+    assert "must be a JSON object" in _error(text)
+
+
+def test_unknown_key_lists_the_known_keys():
+    message = _error('{"topk": 64, "page_size": 64}')
+    assert "['page_size', 'topk']" in message
+    for key in KNOWN_KEYS:
+        assert key in message
+
+
+def test_duplicate_key():
+    assert "'top_k' is given twice" in _error('{"top_k": 64, "top_k": 128}')
+
+
+@pytest.mark.parametrize("key", ["top_k", "device_buffer_size", "host_to_device_ratio"])
+@pytest.mark.parametrize("value", [0, -1, 1.5, 64.0, "64", True, False, None, [64]])
+def test_sizes_must_be_positive_integers(key, value):
+    message = _error(json.dumps({key: value}))
+    assert key in message and "positive integer" in message
+    assert f"got {json.dumps(value)}" in message
+
+
+@pytest.mark.parametrize("value", [0, 31, 33, 1000, 1056, 2048, True, 960.0])
+def test_swap_in_block_size_bounds(value):
+    message = _error(json.dumps({"swap_in_block_size": value}))
+    assert "swap_in_block_size must be a multiple of 32 in [32, 1024]" in message
+
+
+@pytest.mark.parametrize("value", [32, 960, 1024])
+def test_swap_in_block_size_accepted(value):
+    config = parse_hisparse_config(json.dumps({"swap_in_block_size": value}))
+    assert config.swap_in_block_size == value
+
+
+def test_buffer_smaller_than_explicit_top_k():
+    message = _error('{"top_k": 2048, "device_buffer_size": 1024}')
+    assert "device_buffer_size (1024) must be >= top_k (2048)" in message
+
+
+def test_buffer_smaller_than_model_top_k_fails_at_resolve():
+    config = parse_hisparse_config('{"device_buffer_size": 1024}')
+    with pytest.raises(HiSparseConfigError, match=r"\(1024\) must be >= top_k \(2048\)"):
+        config.resolve(model_index_topk=2048)
+    # The same buffer is fine for a model with a smaller top-k (DeepSeek-V4: 512).
+    assert config.resolve(model_index_topk=512).device_buffer_size == 1024
+
+
+def test_buffer_equal_to_top_k_is_allowed():
+    config = parse_hisparse_config('{"device_buffer_size": 2048}')
+    assert config.resolve(2048).device_buffer_size == 2048
+
+
+def test_top_k_must_match_the_model():
+    config = parse_hisparse_config('{"top_k": 64}')
+    with pytest.raises(HiSparseConfigError) as info:
+        config.resolve(model_index_topk=2048)
+    message = str(info.value)
+    assert "--hisparse-config" in message and "top_k is 64" in message
+    assert "index_topk is 2048" in message and "omit top_k or set it to 2048" in message
+
+
+def test_model_without_index_topk_needs_an_explicit_top_k():
+    with pytest.raises(HiSparseConfigError, match="top_k must be given"):
+        parse_hisparse_config(None).resolve(model_index_topk=None)
+    resolved = parse_hisparse_config('{"top_k": 64}').resolve(model_index_topk=None)
+    assert (resolved.top_k, resolved.device_buffer_size) == (64, 128)
+
+
+def test_config_is_frozen():
+    with pytest.raises(Exception):
+        HiSparseConfig().top_k = 1  # type: ignore[misc]
+
+
+def test_parser_does_not_import_sglang():
+    # The parser must stay usable (and cheap) without SGLang.
+    import subprocess
+
+    code = (
+        "import sys, sglang_hisparse.config as c; c.parse_hisparse_config('{}'); "
+        "print(any(m == 'sglang' or m.startswith('sglang.') for m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
