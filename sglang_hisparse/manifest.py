@@ -115,7 +115,9 @@ ENTRIES: tuple[Entry, ...] = (
             "validate_hisparse accepts come from one table "
             "(sglang_hisparse.arg_hooks.backends) and cannot drift apart."
         ),
-        native_in="0.5.13",
+        # The defaults themselves are native; the entry lives as long as our
+        # validate_hisparse does, so it is not dropped by release.
+        native_in=None,
         impl="sglang_hisparse.arg_hooks.backends:apply_hisparse_dsa_backend_defaults",
         upstream=(
             "0.5.13 srt/arg_groups/hisparse_hook.py:23-46; 0.5.23 moved it into "
@@ -150,6 +152,66 @@ ENTRIES: tuple[Entry, ...] = (
             "keep; on a pin >= 0.5.19 the signature is parse_hisparse_config() "
             "and our replacement must read get_memory() instead of server_args"
         ),
+    ),
+    # --- data plane (issue 3): our allocator / coordinator replace the native ones.
+    Entry(
+        target="sglang.srt.mem_cache.hisparse_memory_pool.HiSparseTokenToKVPoolAllocator",
+        kind=Kind.REPLACE,
+        sha256={"0.5.13": "8afb746e4d624c2ef5a5840ef918e6d965f8e47ee5f83178f8d34c6ade553593"},
+        why=(
+            "Dual logical/physical allocator whose available_size() holds back the "
+            "hot-buffer growth, newest-token page and host rows live requests still "
+            "need (0.5.13 admits work the host pool cannot back: sglang#23704); "
+            "page_size 1 decode; exposes the logical capacity."
+        ),
+        native_in=None,
+        impl="sglang_hisparse.allocator:HiSparseDualAllocator",
+        upstream="0.5.23 srt/mem_cache/allocator/hisparse.py:22-299",
+        scope=Scope.DATA_PLANE,
+        removal="keep: admission accounting is not upstream",
+    ),
+    Entry(
+        target="sglang.srt.managers.hisparse_coordinator.HiSparseCoordinator",
+        kind=Kind.REPLACE,
+        sha256={"0.5.13": "3f51fc958a70e5c7f4454e9d48f9c503f963d018b34887423b046dbb4e6b0b8f"},
+        why=(
+            "Our coordinator: host-wait instead of a crash when the host pool is "
+            "exhausted, idempotent release in every state, swap-in through "
+            "sglang_hisparse.kernels, hit/miss/byte counters, destroy()."
+        ),
+        native_in=None,
+        impl="sglang_hisparse.coordinator:HiSparseCoordinator",
+        upstream="0.5.23 srt/managers/hisparse_coordinator.py:533-1637",
+        scope=Scope.DATA_PLANE,
+        removal="keep while the data plane is ours",
+    ),
+    Entry(
+        target="sglang.srt.model_executor.model_runner.ModelRunner.max_token_pool_size",
+        kind=Kind.PROPERTY,
+        sha256={"0.5.13": "0fed3db012ceee0db596df8aeaf9f046d2f5424ad57b95b098419492da563c7e"},
+        why=(
+            "0.5.13 caps the max request length at the GPU pool; with HiSparse the "
+            "host-backed logical space is the limit."
+        ),
+        native_in="0.5.19",
+        impl="sglang_hisparse.coordinator:model_runner_max_token_pool_size",
+        upstream="0.5.23 srt/model_executor/model_runner.py:1516-1524",
+        scope=Scope.DATA_PLANE,
+        removal="drop on a pin >= 0.5.19 (logical max-req-len is native)",
+    ),
+    Entry(
+        target=f"{_SCHED}.abort_request",
+        kind=Kind.AROUND,
+        sha256={"0.5.13": "973c6e8ac3b7e869a6f0aacba300954c4a6a34309b8ae76e1d84153afa872ec0"},
+        why=(
+            "0.5.13 leaks the hot buffer and host rows of an aborted PD-decode "
+            "waiting-queue request and loses aborts of requests still staging."
+        ),
+        native_in=None,
+        impl="sglang_hisparse.coordinator:scheduler_abort_request",
+        upstream="0.5.23 srt/managers/scheduler.py:5708-5709 (PD waiting queue only)",
+        scope=Scope.DATA_PLANE,
+        removal="keep the staging part; the PD part is native from 0.5.22",
     ),
 )
 

@@ -1,0 +1,411 @@
+#!/usr/bin/env python
+"""Seeded random HiSparse lifecycle on CPU with the real SGLang 0.5.13 pools.
+
+    TRITON_INTERPRET=1 python scripts/soak_cpu.py --steps 1000 --seed 0
+
+Builds SGLang's ``ReqToTokenPool`` and ``DSATokenToKVPool`` on device="cpu"
+plus our allocator / host pool / coordinator, then plays a scheduler: arrivals
+with prompt lengths from a few tokens to several hot buffers, (chunked)
+prefill, finish right after prefill, staging (copies kept "in flight" for a
+few polls), decode steps with random top-k, finish, abort in every state
+(waiting, staging, running), retract on memory pressure and at random.
+
+Every prefill/decode token gets a KV row whose bytes name (request, token,
+layer); every swap-in output row is checked against those bytes, and the
+swap-in's hot-slot/LRU update is checked step by step against an independent
+pure-Python LRU model. At the end everything is drained and one line states
+free-after-drain vs free-at-start for every allocator and the host pool.
+Exit status is non-zero on a leak or any mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+from array import array
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _swap_in_reference():
+    from sglang_hisparse.kernels.reference import swap_in_selected
+
+    return swap_in_selected, "sglang_hisparse.kernels.reference"
+
+
+class Mismatch(AssertionError):
+    pass
+
+
+def _kv_tag(uid: int, tok: int, layer: int):
+    # Integers below 256 are exact in bf16.
+    return (tok % 251, uid % 251, layer + 1, (tok // 251) % 251)
+
+
+class LruModel:
+    """Independent model of one (layer, request) hot buffer."""
+
+    def __init__(self, hot: int):
+        self.hot = hot
+        self.slot_token = [-1] * hot
+        self.order = list(range(hot))  # least recent first
+
+    def reset_resident(self, n: int):
+        self.slot_token = [i if i < n else -1 for i in range(self.hot)]
+        self.order = list(range(self.hot))
+
+    def step(self, selected, newest):
+        """Return (hit_slots, evicted_slots(set), stale_order, misses)."""
+        where = {t: s for s, t in enumerate(self.slot_token) if t >= 0}
+        hits = {where[t] for t in selected if t != newest and t in where}
+        misses = [t for t in selected if t != newest and t not in where]
+        evictable = [s for s in self.order if s not in hits]
+        evicted = evictable[: len(misses)]
+        return hits, set(evicted), evictable[len(misses):], misses
+
+
+class Sim:
+    def __init__(self, seed: int, page_size: int = 64, phys_pages: int = 30, ratio: int = 3,
+                 hot: int = 128, top_k: int = 16, layers: int = 2, max_reqs: int = 12,
+                 max_ctx: int = 1400):
+        from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool
+
+        from sglang_hisparse.allocator import HiSparseDualAllocator
+        from sglang_hisparse.coordinator import HiSparseCoordinator
+
+        self.rng = random.Random(seed)
+        torch.manual_seed(seed)
+        self.ps, self.hot, self.top_k, self.layers = page_size, hot, top_k, layers
+        self.max_ctx = max_ctx
+        phys = phys_pages * page_size
+        self.pool = DSATokenToKVPool(
+            size=phys, page_size=page_size, kv_lora_rank=512, dtype=torch.bfloat16,
+            qk_rope_head_dim=64, layer_num=layers, device="cpu", index_head_dim=128,
+            enable_memory_saver=False, kv_cache_dim=576,
+        )
+        self.r2t = ReqToTokenPool(size=max_reqs, max_context_len=max_ctx, device="cpu",
+                                  enable_memory_saver=False)
+        self.alloc = HiSparseDualAllocator(phys, page_size, torch.bfloat16, "cpu", self.pool,
+                                           False, host_to_device_ratio=ratio)
+        self.ref, self.ref_name = _swap_in_reference()
+        from sglang_hisparse.host_pool import HiSparseMLAHostPool
+
+        # Host smaller than the logical space, so admission is host-bound at times.
+        per_token = 576 * 2 * layers
+        host = HiSparseMLAHostPool(self.pool, host_size=(phys * 2.5 * per_token) / 1e9,
+                                   page_size=page_size)
+        self.coord = HiSparseCoordinator(self.r2t, self.alloc, top_k, hot, "cpu", None, ratio,
+                                         host_pool=host, swap_in_fn=self.ref)
+        self.coord.set_cpu_staging_delay(lambda: self.rng.choice([0, 0, 1, 3]))
+        self.host = self.coord.mem_pool_host
+        self.start = self.snapshot()
+        self.uid = 0
+        self.waiting, self.prefilling, self.staging, self.running = [], [], [], []
+        self.models = {}  # req -> [LruModel per layer]
+        self.stats = dict(prefill=0, finish_prefill=0, staged=0, decode_steps=0, finish=0,
+                          abort_waiting=0, abort_staging=0, abort_running=0, abort_prefill=0,
+                          retract=0, retract_oom=0, swap_checks=0, host_wait_max=0)
+
+    # ---------------------------------------------------------- bookkeeping
+    def snapshot(self):
+        return dict(
+            logical=self.alloc.logical_available_size(),
+            physical=self.alloc.physical_available_size(),
+            host=self.host.available_size(),
+            req_slots=self.r2t.available_size(),
+        )
+
+    def new_req(self):
+        self.uid += 1
+        r = self.rng.random()
+        if r < 0.35:
+            n = self.rng.randint(2, self.hot - 1)
+        elif r < 0.5:
+            n = self.rng.choice([self.hot - 1, self.hot, self.hot + 1, self.ps, self.ps + 1])
+        else:
+            n = self.rng.randint(self.hot + 1, 4 * self.hot)
+        from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        req = Req(f"r{self.uid}", "", array("i", [1] * n),
+                  SamplingParams(max_new_tokens=self.rng.randint(1, 3 * self.hot)))
+        req.sim_uid = self.uid
+        req.sim_len = 0  # tokens whose KV exists
+        req.sim_target = n
+        req.sim_decode_left = req.sampling_params.max_new_tokens
+        self.waiting.append(req)
+
+    def write_kv(self, req, positions, logical):
+        phys = self.alloc.translate_to_physical(logical)
+        if bool((phys <= 0).any()):
+            raise Mismatch(f"{req.rid}: write to an unmapped logical slot")
+        for layer in range(self.layers):
+            buf = self.pool.kv_buffer[layer]
+            for p, row in zip(positions, phys.tolist()):
+                buf[row, 0, :4] = torch.tensor(_kv_tag(req.sim_uid, p, layer), dtype=buf.dtype)
+
+    def release_slots(self, req):
+        n = req.kv_allocated_len
+        if n:
+            self.alloc.free(self.r2t.req_to_token[req.req_pool_idx, :n].to(torch.int64))
+        self.r2t.free(req)
+        req.req_pool_idx = None
+        req.kv_allocated_len = 0
+        self.models.pop(req, None)
+
+    # ------------------------------------------------------------- actions
+    def try_prefill(self):
+        if not self.waiting or not self.r2t.available_size():
+            return
+        req = self.waiting[0]
+        page_up = lambda n: -(-n // self.ps) * self.ps
+        need = page_up(req.sim_target) + self.ps
+        # chunks still to come for requests already prefilling
+        need += sum(page_up(r.sim_target) - page_up(r.sim_len) for r in self.prefilling)
+        if self.alloc.available_size() < need:
+            return
+        self.waiting.pop(0)
+        (idx,) = self.r2t.alloc([req])
+        req.req_pool_idx = idx
+        req.kv_allocated_len = 0
+        self.prefilling.append(req)
+
+    def prefill_chunk(self, req):
+        pre, end = req.sim_len, min(req.sim_target, req.sim_len + self.rng.choice([64, 96, 10**6]))
+        last = (self.r2t.req_to_token[req.req_pool_idx, pre - 1:pre].to(torch.int64)
+                if pre else torch.tensor([-1], dtype=torch.int64))
+        t = lambda v: torch.tensor([v], dtype=torch.int64)
+        out = self.alloc.alloc_extend(t(pre), t(pre), t(end), t(end), last, end - pre)
+        if out is None:
+            raise Mismatch("alloc_extend failed after admission said yes")
+        self.r2t.req_to_token[req.req_pool_idx, pre:end] = out.to(torch.int32)
+        self.write_kv(req, range(pre, end), out)
+        req.sim_len = req.kv_allocated_len = req.fill_len = end
+        self.stats["prefill"] += 1
+        if end < req.sim_target:
+            return
+        self.prefilling.remove(req)
+        if self.rng.random() < 0.08:  # finished right after prefill
+            self.coord.request_finished(req)  # coordinator never saw it: no-op
+            self.release_slots(req)
+            self.stats["finish_prefill"] += 1
+            return
+        self.coord.admit_request_into_staging(req)
+        self.staging.append(req)
+        self.stats["staged"] += 1
+
+    def collect(self):
+        for req in self.coord.collect_ready_reqs():
+            self.staging.remove(req)
+            self.running.append(req)
+            models = [LruModel(self.hot) for _ in range(self.layers)]
+            for m in models:
+                m.reset_resident(min(req.sim_len, self.hot))
+            self.models[req] = models
+        self.stats["host_wait_max"] = max(self.stats["host_wait_max"], len(self.coord._host_wait))
+
+    def decode(self):
+        batch = [r for r in self.running if r.sim_len + 1 < self.max_ctx]
+        if not batch:
+            return
+        # Memory check like ScheduleBatch.check_decode_mem; retract on shortage.
+        need = lambda b: sum(1 for r in b if r.sim_len % self.ps == 0) * self.ps
+        while batch and self.alloc.available_size() < need(batch):
+            victim = batch.pop(self.rng.randrange(len(batch)))
+            self.retract(victim)
+            self.stats["retract_oom"] += 1
+        if not batch:
+            return
+        rpi = torch.tensor([r.req_pool_idx for r in batch], dtype=torch.int64)
+        seq = torch.tensor([r.sim_len for r in batch], dtype=torch.int64)
+        last = self.r2t.req_to_token[rpi, seq - 1].to(torch.int64)
+        out = self.alloc.alloc_decode(seq + 1, seq + 1, last)
+        if out is None:
+            raise Mismatch("alloc_decode failed after check_decode_mem said yes")
+        self.r2t.req_to_token[rpi, seq] = out.to(torch.int32)
+        for r in batch:
+            r.kv_allocated_len = r.sim_len + 1
+        seq = seq + 1
+        self.coord.map_last_loc_to_buffer(seq, out, rpi, seq.clone(), rpi.clone())
+        for r, loc in zip(batch, out):
+            self.write_kv(r, [r.sim_len], loc.view(1))
+            r.sim_len += 1
+        self.check_swap_in(batch, rpi, seq)
+        self.stats["decode_steps"] += 1
+        for r in list(batch):
+            r.sim_decode_left -= 1
+            if r.sim_decode_left <= 0:
+                self.finish(r)
+
+    def check_swap_in(self, batch, rpi, seq):
+        bs = len(batch)
+        pad = self.rng.choice([0, 0, 1])  # CUDA-graph style padded rows
+        topk = torch.full((bs + pad, self.top_k), -1, dtype=torch.int32)
+        for i, r in enumerate(batch):
+            n = min(r.sim_len, self.top_k - self.rng.randint(0, 2))
+            pool = list(range(r.sim_len))
+            if r.sim_len > self.hot and self.rng.random() < 0.6:
+                # temporal locality: favour recently selected / recent tokens
+                pool = list(range(max(0, r.sim_len - 3 * self.hot), r.sim_len))
+            sel = self.rng.sample(pool, min(n, len(pool)))
+            topk[i, : len(sel)] = torch.tensor(sel, dtype=torch.int32)
+        rpi_p = torch.cat([rpi, torch.zeros(pad, dtype=torch.int64)])
+        seq_p = torch.cat([seq, torch.ones(pad, dtype=torch.int64)])
+        self.coord.num_real_reqs.fill_(bs)
+        for layer in range(self.layers):
+            before_lru = self.coord.lru_slots[layer].clone()
+            out = self.coord.swap_in_selected_pages(rpi_p, seq_p, topk, layer)
+            if pad and bool((out[bs:] != -1).any()):
+                raise Mismatch("padded row not -1")
+            buf = self.pool.kv_buffer[layer]
+            for i, r in enumerate(batch):
+                idx, s = r.req_pool_idx, r.sim_len
+                sel = [t for t in topk[i].tolist() if t >= 0]
+                rows = out[i, : len(sel)].tolist()
+                if out[i, len(sel):].ne(-1).any():
+                    raise Mismatch(f"{r.rid}: output beyond selection not -1")
+                for t, row in zip(sel, rows):
+                    got = tuple(int(x) for x in buf[row, 0, :4].tolist())
+                    if row <= 0 or got != _kv_tag(r.sim_uid, t, layer):
+                        raise Mismatch(f"{r.rid} layer {layer} token {t}: row {row} holds {got}")
+                self.check_lru(r, layer, sel, s, before_lru[idx])
+            self.stats["swap_checks"] += 1
+
+    def check_lru(self, r, layer, sel, s, lru_before):
+        m = self.models[r][layer]
+        idx = r.req_pool_idx
+        tokens = self.coord.req_device_buffer_tokens[layer, idx, : self.hot].tolist()
+        lru = self.coord.lru_slots[layer, idx].tolist()
+        if s <= self.hot:
+            if lru != lru_before.tolist():
+                raise Mismatch(f"{r.rid}: fast path changed the LRU")
+            m.reset_resident(min(s, self.hot))  # short: slot i holds token i
+            return
+        hits, evicted, stale, misses = m.step(sel, s - 1)
+        nh, nm = len(hits), len(misses)
+        if lru[: len(stale)] != stale:
+            raise Mismatch(f"{r.rid} L{layer}: stale order {lru[:len(stale)]} != model {stale}")
+        if set(lru[len(stale): len(stale) + nm]) != evicted:
+            raise Mismatch(f"{r.rid} L{layer}: miss slots differ from model")
+        if set(lru[len(lru) - nh:] if nh else []) != hits:
+            raise Mismatch(f"{r.rid} L{layer}: hit slots not most recent")
+        if {tokens[x] for x in evicted} != set(misses):
+            raise Mismatch(f"{r.rid} L{layer}: evicted slots do not hold the misses")
+        for x in range(self.hot):
+            if x not in evicted and tokens[x] != m.slot_token[x]:
+                raise Mismatch(f"{r.rid} L{layer}: slot {x} changed without a miss")
+        m.slot_token, m.order = tokens, lru
+
+    def finish(self, req):
+        self.running.remove(req)
+        self.coord.request_finished(req)
+        self.release_slots(req)
+        self.stats["finish"] += 1
+
+    def retract(self, req):
+        self.running.remove(req)
+        self.coord.retract_req(req)
+        self.release_slots(req)
+        req.sim_len = 0
+        req.sim_target = len(req.origin_input_ids)
+        req.hisparse_staging = False
+        self.waiting.append(req)
+        self.stats["retract"] += 1
+
+    def abort_random(self):
+        states = [s for s in ("waiting", "prefilling", "staging", "running") if getattr(self, s)]
+        if not states:
+            return
+        # staging lasts a few polls only: pick it whenever it is possible
+        state = "staging" if "staging" in states else self.rng.choice(states)
+        q = getattr(self, state)
+        req = q[self.rng.randrange(len(q))]
+        q.remove(req)
+        if state == "waiting":
+            self.stats["abort_waiting"] += 1
+            return
+        if state == "staging":
+            self.coord.abort_staging_request(req)
+            self.stats["abort_staging"] += 1
+        elif state == "running":
+            self.coord.request_finished(req)
+            self.stats["abort_running"] += 1
+        else:
+            self.coord.request_finished(req)
+            self.stats["abort_prefill"] += 1
+        self.release_slots(req)
+
+    # ---------------------------------------------------------------- run
+    def step(self):
+        rng = self.rng
+        if rng.random() < 0.35 and len(self.waiting) < 8:
+            self.new_req()
+        self.try_prefill()
+        for req in list(self.prefilling):
+            self.prefill_chunk(req)
+        self.collect()
+        self.decode()
+        if rng.random() < 0.04:
+            self.abort_random()
+        if rng.random() < 0.02 and self.running:
+            self.retract(self.running[rng.randrange(len(self.running))])
+
+    def drain(self):
+        for req in list(self.staging) + list(self.running) + list(self.prefilling):
+            if req in self.staging:
+                self.staging.remove(req)
+                self.coord.abort_staging_request(req)
+            elif req in self.running:
+                self.running.remove(req)
+                self.coord.request_finished(req)
+            else:
+                self.prefilling.remove(req)
+            self.release_slots(req)
+        self.waiting.clear()
+        self.coord.destroy()
+
+    def leak_report(self):
+        end = self.snapshot()
+        mapped = int((self.alloc.full_to_hisparse_device_index_mapping[:-1] != 0).sum())
+        extra = dict(coordinator_live=len(self.coord.live_request_slots()),
+                     mapping_nonzero=mapped, prefill_claims=len(self.alloc._prefill_claims),
+                     host_rows_nonneg=int((self.coord.req_to_host_pool >= 0).sum()))
+        ok = end == self.start and not any(extra.values())
+        parts = [f"{k} free {end[k]}/{self.start[k]}" for k in ("logical", "physical", "host", "req_slots")]
+        parts += [f"{k}={v}" for k, v in extra.items()]
+        return ok, parts
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--verbose", action="store_true")
+    args = ap.parse_args(argv)
+    sim = Sim(args.seed)
+    error = None
+    try:
+        for _ in range(args.steps):
+            sim.step()
+        sim.drain()
+    except Mismatch as exc:
+        error = f"MISMATCH: {exc}"
+    ok, parts = sim.leak_report()
+    if args.verbose:
+        print(f"swap-in: {sim.ref_name}; stats {sim.stats}; {sim.coord.get_hisparse_stats()}")
+    verdict = "OK" if ok and error is None else "FAIL"
+    print(f"soak seed={args.seed} steps={args.steps} {verdict}: " + ", ".join(parts)
+          + (f"; {error}" if error else ""))
+    return 0 if verdict == "OK" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

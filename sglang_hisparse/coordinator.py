@@ -1,0 +1,678 @@
+"""HiSparse coordinator: per-request hot buffers, host backing and swap-in.
+
+Lifecycle of a request (colocated):
+
+1. prefill writes its KV into physical rows (allocator ``alloc_extend``);
+2. ``admit_request_into_staging`` copies every prefill row, all layers, to
+   host on a side stream (an exhausted host pool parks the request in a
+   host-wait list; it is retried, never failed);
+3. ``collect_ready_reqs`` returns requests whose copy finished on every TP
+   rank (count agreed with ``all_reduce(MIN)`` on the CPU group) after turning
+   their prefill rows into a hot buffer (``alloc_device_buffer``);
+4. every decode step ``map_last_loc_to_buffer`` writes the previous token
+   through to host (skipped on the first step after staging), grows the hot
+   buffer of short requests and maps the new token to its slot (slot ``B`` =
+   first slot of the extra page once the request is longer than the buffer);
+5. the attention backend calls ``swap_in_selected_pages`` per layer; it
+   dispatches to :func:`sglang_hisparse.kernels.swap_in_selected`;
+6. finish / abort (waiting, staging, running) / retract release everything.
+
+PD decode admits through ``admit_request_direct`` (KV already on host).
+
+Drop-in for 0.5.13 ``HiSparseCoordinator`` (class REPLACE). Its call sites
+in 0.5.13:
+``model_runner.py:818`` (ctor), ``scheduler.py:469``
+(``set_decode_producer_stream``), ``scheduler.py:2445``
+(``collect_ready_reqs``), ``scheduler.py:3366`` (``has_ongoing_staging``),
+``schedule_batch.py:1515`` (``retract_req``), ``schedule_batch.py:2568``
+(``map_last_loc_to_buffer``), ``batch_result_processor.py:93,837``
+(``request_finished``), ``batch_result_processor.py:240``
+(``admit_request_into_staging``), ``pool_stats_observer.py:230``
+(``get_token_stats``), ``dsa_backend.py:1663`` and ``dsv4/indexer.py:580,619``
+(``swap_in_selected_pages``, ``raw_indices_buffer``),
+``model_runner.py:3533-3534,3569`` (``wait_for_pending_backup``,
+``num_real_reqs``), ``cuda_graph_runner.py:974,1161`` (``num_real_reqs``),
+``disaggregation/decode.py:393,406,822,1326-1331,1641,1663,1916``
+(``mem_pool_host``, ``padded_buffer_size``, ``req_to_host_pool``,
+``req_to_host_pool_allocated_len``, ``host_token_len``, ``request_finished``,
+``admit_request_direct``), ``scheduler_pp_mixin.py:1398``
+(``admit_request_direct``). Our plugin hooks add ``abort_request`` handling.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Dict, List, NamedTuple, Optional
+
+import torch
+
+from sglang_hisparse.host_pool import HiSparseC4HostPool, HiSparseMLAHostPool
+
+logger = logging.getLogger(__name__)
+
+
+class HiSparseTokenStats(NamedTuple):
+    device_tokens: int
+    device_token_usage: float
+    host_tokens: int
+    host_token_usage: float
+
+
+# ---------------------------------------------------------------- streams
+class _DoneEvent:
+    """CPU stand-in for a device event; ``pending`` polls let tests keep a
+    staging copy "in flight" for a while."""
+
+    def __init__(self, pending: int = 0):
+        self.pending = pending
+
+    def record(self, stream=None):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def query(self) -> bool:
+        if self.pending > 0:
+            self.pending -= 1
+            return False
+        return True
+
+    def synchronize(self):
+        self.pending = 0
+
+
+class _Streams:
+    """Device streams/events on CUDA; synchronous no-ops elsewhere."""
+
+    def __init__(self, device):
+        self.gpu = str(device).startswith("cuda") and torch.cuda.is_available()
+        self.cpu_event_delay: Callable[[], int] = lambda: 0
+        if self.gpu:
+            self.staging = torch.cuda.Stream()
+            self.backup = torch.cuda.Stream()
+
+    def event(self):
+        return torch.cuda.Event() if self.gpu else _DoneEvent(self.cpu_event_delay())
+
+    def current(self):
+        return torch.cuda.current_stream() if self.gpu else None
+
+    def use(self, stream):
+        if self.gpu:
+            return torch.cuda.stream(stream)
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+@dataclass
+class _Staging:
+    event: object
+    req: object
+
+
+def _swap_in_kernel():
+    from sglang_hisparse import kernels
+
+    return kernels.swap_in_selected
+
+
+class HiSparseCoordinator:
+    """Replacement for 0.5.13 ``HiSparseCoordinator`` (same constructor)."""
+
+    def __init__(
+        self,
+        req_to_token_pool,
+        token_to_kv_pool_allocator,
+        top_k: int,
+        device_buffer_size: int,
+        device,
+        tp_group,
+        host_to_device_ratio: int = 2,
+        *,
+        host_pool=None,
+        swap_in_fn: Optional[Callable] = None,
+    ):
+        if device_buffer_size < top_k:
+            raise ValueError(
+                f"device_buffer_size ({device_buffer_size}) must be >= top_k ({top_k})"
+            )
+        self.req_to_token_pool = req_to_token_pool
+        self.token_to_kv_pool_allocator = alloc = token_to_kv_pool_allocator
+        self.top_k = top_k
+        self.device_buffer_size = device_buffer_size
+        self.device = device
+        self.compress_ratio = getattr(alloc, "compress_ratio", 1)
+        self.is_dsv4_hisparse = self.compress_ratio != 1
+        self._swap_in_fn = swap_in_fn
+
+        if self.is_dsv4_hisparse:
+            # 0.5.13 DeepSeekV4HiSparseTokenToKVPoolAllocator: C4 physical pool.
+            self.mem_pool_device = alloc.hisparse_kvcache
+            page_size = self.mem_pool_device.page_size
+            pages = -(-(alloc.size_full // self.compress_ratio) // page_size)
+            self.mem_pool_host = host_pool or HiSparseC4HostPool(
+                device_buffers=self.mem_pool_device.kv_buffer, num_host_pages=pages,
+                page_size=page_size,
+            )
+            self.item_size_bytes = (
+                self.mem_pool_device.kv_cache_total_dim
+                * self.mem_pool_device.store_dtype.itemsize
+            )
+        else:
+            self.mem_pool_device = alloc.get_kvcache()
+            self.mem_pool_host = host_pool or HiSparseMLAHostPool(
+                device_pool=self.mem_pool_device,
+                host_to_device_ratio=host_to_device_ratio,
+                host_size=0,
+                page_size=self.mem_pool_device.page_size,
+                override_kv_cache_dim=self.mem_pool_device.kv_cache_dim,
+            )
+            self.item_size_bytes = self.mem_pool_host.item_bytes
+        self.page_size = self.mem_pool_device.page_size
+        self.layer_num = self.mem_pool_device.layer_num
+        # Extra page: its first slot holds the newest token of a long request.
+        self.padded_buffer_size = device_buffer_size + self.page_size
+
+        max_reqs = req_to_token_pool.req_to_token.shape[0]
+        max_ctx = req_to_token_pool.max_context_len
+        max_host_ctx = -(-max_ctx // self.compress_ratio)
+        B, P = device_buffer_size, self.padded_buffer_size
+        i32 = dict(dtype=torch.int32, device=device)
+
+        self.req_to_device_buffer = torch.zeros((max_reqs, P), dtype=torch.int64, device=device)
+        self.req_device_buffer_size = torch.zeros(max_reqs, dtype=torch.int64)
+        self.req_to_host_pool = torch.full(
+            (max_reqs, max_host_ctx + self.page_size), -1, dtype=torch.int64, device=device
+        )
+        self.req_to_host_pool_allocated_len = torch.zeros(max_reqs, dtype=torch.int64)
+        # Per layer swap-in state (the kernel's slot_tokens / slot_locs / lru).
+        self.req_device_buffer_tokens = torch.full((self.layer_num, max_reqs, P), -1, **i32)
+        self.req_device_buffer_token_locs = torch.full((self.layer_num, max_reqs, P), -1, **i32)
+        self._lru_init = torch.arange(B, dtype=torch.int16, device=device)
+        self.lru_slots = self._lru_init.repeat(self.layer_num, max_reqs, 1).contiguous()
+        self._arange_i32 = torch.arange(P, **i32)
+        self.top_k_device_locs_buffer = torch.full((max_reqs, top_k), -1, **i32)
+        self.raw_indices_buffer = torch.full((max_reqs, top_k), -1, **i32)
+        self.num_real_reqs = torch.zeros(1, **i32)
+        self._row_ids = torch.arange(max_reqs, **i32)
+
+        self._streams = _Streams(device)
+        self.write_staging_stream = getattr(self._streams, "staging", None)
+        self.decode_backup_stream = getattr(self._streams, "backup", None)
+        self.decode_producer_stream = None
+        self._backup_done_event = None
+
+        self.tp_group = tp_group
+        self.tp_world_size = 1
+        if tp_group is not None and torch.distributed.is_initialized():
+            self.tp_world_size = torch.distributed.get_world_size(group=tp_group)
+
+        self.ack_staging_queue: List[_Staging] = []
+        self._host_wait: List[object] = []  # staged but no host pages yet
+        self._live: Dict[int, object] = {}  # req_pool_idx -> Req (staging or active)
+        self._skip_first_backup = [False] * max_reqs
+
+        # Counters (device tensors so the decode path never syncs).
+        self._hits = torch.zeros(1, dtype=torch.int64, device=device)
+        self._misses = torch.zeros(1, dtype=torch.int64, device=device)
+        self.host_bytes_written = 0
+        self.host_bytes_read_staging = 0  # preload (direct admission)
+        self.host_wait_events = 0
+
+        if hasattr(alloc, "set_reservation_provider"):
+            alloc.set_reservation_provider(self._owed_tokens)
+            alloc.attach_host_pool(self.mem_pool_host, self.padded_buffer_size)
+
+    # ------------------------------------------------------------ helpers
+    def _page_up(self, n: int) -> int:
+        return -(-int(n) // self.page_size) * self.page_size
+
+    def host_token_len(self, kv_allocated_len: int) -> int:
+        return kv_allocated_len // self.compress_ratio if self.is_dsv4_hisparse else kv_allocated_len
+
+    def _mapping(self) -> torch.Tensor:
+        alloc = self.token_to_kv_pool_allocator
+        m = getattr(alloc, "full_to_hisparse_device_index_mapping", None)
+        return m if m is not None else self.mem_pool_device.full_to_hisparse_device_index_mapping
+
+    def _owed_tokens(self):
+        """(physical, host) tokens live requests may still claim; see allocator."""
+        phys = host = 0
+        P = self.padded_buffer_size
+        for idx, req in self._live.items():
+            if getattr(req, "hisparse_staging", False):
+                held = self._page_up(req.fill_len)
+            else:
+                held = int(self.req_device_buffer_size[idx])
+            phys += max(0, P - held)
+            need = self._page_up(self.host_token_len(req.kv_allocated_len))
+            host += max(0, need - int(self.req_to_host_pool_allocated_len[idx]))
+        return phys, host
+
+    def _buffer_size_for(self, num_tokens: int) -> int:
+        size = min(self._page_up(num_tokens), self.device_buffer_size)
+        return self.padded_buffer_size if size == self.device_buffer_size else size
+
+    def set_decode_producer_stream(self, stream) -> None:
+        self.decode_producer_stream = stream
+
+    def set_cpu_staging_delay(self, fn: Callable[[], int]) -> None:
+        """Tests: number of polls a CPU staging copy stays "in flight"."""
+        self._streams.cpu_event_delay = fn
+
+    # -------------------------------------------------------------- stats
+    def get_token_stats(self) -> HiSparseTokenStats:
+        dev = self.token_to_kv_pool_allocator.hisparse_attn_allocator
+        dev_cap = dev.size
+        raw = getattr(dev, "raw_available_size", dev.available_size)()
+        dev_used = dev_cap - raw
+        host_cap = self.mem_pool_host.size
+        host_used = host_cap - self.mem_pool_host.available_size()
+        return HiSparseTokenStats(
+            dev_used, dev_used / dev_cap if dev_cap else 0.0,
+            host_used, host_used / host_cap if host_cap else 0.0,
+        )
+
+    def get_hisparse_stats(self) -> dict:
+        """Counters for the decode log line / Prometheus (syncs the device)."""
+        active = [i for i, r in self._live.items() if not getattr(r, "hisparse_staging", False)]
+        cap = int(self.req_device_buffer_size[active].sum()) if active else 0
+        misses = int(self._misses.item())
+        return {
+            "hits": int(self._hits.item()),
+            "misses": misses,
+            "host_bytes_read": misses * self.item_size_bytes + self.host_bytes_read_staging,
+            "host_bytes_written": self.host_bytes_written,
+            "hot_buffer_tokens": cap,
+            "hot_buffer_occupancy": cap / (len(active) * self.padded_buffer_size) if active else 0.0,
+            "active_reqs": len(active),
+            "staging_reqs": len(self.ack_staging_queue),
+            "host_wait_reqs": len(self._host_wait),
+            "host_wait_events": self.host_wait_events,
+        }
+
+    # ------------------------------------------------------------ staging
+    def admit_request_into_staging(self, req) -> None:
+        req.hisparse_staging = True
+        idx = req.req_pool_idx
+        self._live[idx] = req
+        first = self.req_to_token_pool.req_to_token[idx, 0]
+        take = getattr(self.token_to_kv_pool_allocator, "take_prefill_claim", None)
+        if take is not None:
+            take(int(first))
+        if self._host_wait or not self._start_staging(req):
+            self._host_wait.append(req)
+            self.host_wait_events += 1
+
+    def _start_staging(self, req) -> bool:
+        idx = req.req_pool_idx
+        logical = self.req_to_token_pool.req_to_token[idx, : req.fill_len].to(torch.int64)
+        if self.is_dsv4_hisparse:
+            logical = self.mem_pool_device.translate_loc_from_full_to_compressed(logical)
+        physical = self._mapping()[logical]
+        host = self.mem_pool_host.try_alloc_paged_token_slots(
+            self.req_to_host_pool, self.req_to_host_pool_allocated_len, idx, 0,
+            int(physical.numel()),
+        )
+        if host is None:
+            return False
+        start, done = self._streams.event(), self._streams.event()
+        if self._streams.gpu:
+            start.record()
+            with self._streams.use(self.write_staging_stream):
+                start.wait(self.write_staging_stream)
+                self.mem_pool_host.backup_from_device_all_layer(
+                    self.mem_pool_device, host, physical, io_backend="kernel")
+                done.record()
+                host.record_stream(self.write_staging_stream)
+                physical.record_stream(self.write_staging_stream)
+        else:
+            self.mem_pool_host.backup_from_device_all_layer(
+                self.mem_pool_device, host, physical, io_backend="kernel")
+        self.host_bytes_written += int(physical.numel()) * self.item_size_bytes * self.layer_num
+        self.ack_staging_queue.append(_Staging(done, req))
+        return True
+
+    def has_ongoing_staging(self) -> bool:
+        return bool(self.ack_staging_queue or self._host_wait)
+
+    def collect_ready_reqs(self) -> List[object]:
+        while self._host_wait and self._start_staging(self._host_wait[0]):
+            self._host_wait.pop(0)
+        if not self.ack_staging_queue:
+            return []
+        done = 0
+        for item in self.ack_staging_queue:
+            if not item.event.query():
+                break
+            done += 1
+        if self.tp_world_size > 1:
+            t = torch.tensor(done, dtype=torch.int32)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.tp_group)
+            done = int(t.item())
+        ready = []
+        for _ in range(done):
+            req = self.ack_staging_queue.pop(0).req
+            self.alloc_device_buffer(req)
+            self._skip_first_backup[req.req_pool_idx] = True
+            req.hisparse_staging = False
+            ready.append(req)
+        return ready
+
+    # -------------------------------------------------------- hot buffers
+    def alloc_device_buffer(self, req) -> None:
+        idx = req.req_pool_idx
+        if self.is_dsv4_hisparse:
+            n_logical, size = req.fill_len, self.padded_buffer_size
+        else:
+            n_logical = req.kv_allocated_len
+            size = self._buffer_size_for(n_logical)
+        logical = self.req_to_token_pool.req_to_token[idx, :n_logical].to(torch.int64)
+        if self.is_dsv4_hisparse:
+            logical = self.mem_pool_device.translate_loc_from_full_to_compressed(logical)
+        rows = self.token_to_kv_pool_allocator.alloc_device_buffer(logical, size)
+        if rows is None:
+            raise RuntimeError(
+                f"HiSparse: no physical rows for the hot buffer of {req.rid} (size {size}); "
+                "admission accounting was bypassed"
+            )
+        rows = rows.to(torch.int64)
+        self.req_to_device_buffer[idx, :size] = rows
+        self.req_device_buffer_size[idx] = size
+        held = min(size, self.device_buffer_size)
+        self.req_device_buffer_tokens[:, idx, :] = -1
+        self.req_device_buffer_tokens[:, idx, :held] = self._arange_i32[:held]
+        self.req_device_buffer_token_locs[:, idx, :] = -1
+        self.req_device_buffer_token_locs[:, idx, :size] = rows.to(torch.int32)
+        self.lru_slots[:, idx, :].copy_(self._lru_init)
+        self._live[idx] = req
+
+    def admit_request_direct(self, req) -> None:
+        """PD decode: KV already on host (req_to_host_pool filled by the prealloc)."""
+        self._live[req.req_pool_idx] = req
+        self.alloc_device_buffer(req)
+        n = self.host_token_len(req.kv_allocated_len)
+        if n <= self.device_buffer_size:
+            self._preload_to_device_buffer(req, n)
+        else:
+            # Nothing resident: every top-k token is a miss served from host.
+            self.req_device_buffer_tokens[:, req.req_pool_idx, :] = -1
+        req.hisparse_staging = False
+        self._skip_first_backup[req.req_pool_idx] = True
+
+    def _preload_to_device_buffer(self, req, n: int) -> None:
+        idx = req.req_pool_idx
+        host = self.req_to_host_pool[idx, :n]
+        dev = self.req_to_device_buffer[idx, :n]
+        for layer in range(self.layer_num):
+            self.mem_pool_host.load_to_device_per_layer(
+                self.mem_pool_device, host, dev, layer, io_backend="kernel")
+        self.host_bytes_read_staging += n * self.item_size_bytes * self.layer_num
+
+    def _grow_device_buffers(self, seq_lens_cpu, req_pool_indices_cpu) -> None:
+        B = self.device_buffer_size
+        grows = []
+        for i, (seq, idx) in enumerate(zip(seq_lens_cpu.tolist(), req_pool_indices_cpu.tolist())):
+            cap = int(self.req_device_buffer_size[idx])
+            if seq <= B and seq > cap:
+                grows.append((idx, cap, self._buffer_size_for(seq)))
+        total = sum(new - old for _, old, new in grows)
+        if total <= 0:
+            return
+        rows = self.token_to_kv_pool_allocator.hisparse_attn_allocator.alloc(total)
+        if rows is None:
+            raise RuntimeError(f"HiSparse: hot-buffer growth of {total} rows failed")
+        off = 0
+        for idx, old, new in grows:
+            chunk = rows[off : off + new - old]
+            off += new - old
+            self.req_to_device_buffer[idx, old:new] = chunk
+            self.req_device_buffer_token_locs[:, idx, old:new] = chunk.to(torch.int32)
+            hi = min(new, B)
+            if hi > old:
+                self.req_device_buffer_tokens[:, idx, old:hi] = self._arange_i32[old:hi]
+            self.req_device_buffer_size[idx] = new
+
+    def map_last_loc_to_buffer(self, seq_lens, out_cache_loc, req_pool_indices,
+                               seq_lens_cpu, req_pool_indices_cpu) -> None:
+        """Called by ``ScheduleBatch.prepare_for_decode`` after ``seq_lens += 1``."""
+        if req_pool_indices_cpu is None:
+            req_pool_indices_cpu = req_pool_indices.cpu()
+        if seq_lens_cpu is None:
+            seq_lens_cpu = seq_lens.cpu()
+        self._eager_backup_previous_token(seq_lens, req_pool_indices, seq_lens_cpu,
+                                          req_pool_indices_cpu)
+        mapping = self._mapping()
+        if self.is_dsv4_hisparse:
+            self._map_last_loc_dsv4(seq_lens, out_cache_loc, req_pool_indices)
+            return
+        self._grow_device_buffers(seq_lens_cpu, req_pool_indices_cpu)
+        pos = (seq_lens - 1).clamp(max=self.device_buffer_size)
+        slot_rows = self.req_to_device_buffer[req_pool_indices, pos]
+        self.req_device_buffer_token_locs[:, req_pool_indices, self.device_buffer_size] = (
+            slot_rows.to(torch.int32)
+        )
+        mapping[out_cache_loc] = slot_rows
+
+    def _map_last_loc_dsv4(self, seq_lens, out_cache_loc, req_pool_indices) -> None:
+        active = seq_lens % self.compress_ratio == 0
+        if not bool(active.any()):
+            return
+        rpi = req_pool_indices[active]
+        pos = (seq_lens[active] // self.compress_ratio - 1).clamp(max=self.device_buffer_size)
+        rows = self.req_to_device_buffer[rpi, pos]
+        self.req_device_buffer_token_locs[:, rpi, self.device_buffer_size] = rows.to(torch.int32)
+        compressed = self.token_to_kv_pool_allocator.get_last_loc_compressed(out_cache_loc[active])
+        self._mapping()[compressed] = rows
+
+    def _eager_backup_previous_token(self, seq_lens, req_pool_indices, seq_lens_cpu,
+                                     req_pool_indices_cpu) -> None:
+        """Write the previous (compressed) token of each request through to host."""
+        cr = self.compress_ratio
+        picks, host_rows = [], []
+        for i, (seq, idx) in enumerate(zip(seq_lens_cpu.tolist(), req_pool_indices_cpu.tolist())):
+            if self._skip_first_backup[idx]:
+                self._skip_first_backup[idx] = False
+                continue
+            if (seq - 1) % cr:
+                continue
+            pos = (seq - 1) // cr - 1
+            rows = self.mem_pool_host.try_alloc_paged_token_slots(
+                self.req_to_host_pool, self.req_to_host_pool_allocated_len, idx, pos, 1)
+            if rows is None:
+                raise RuntimeError(
+                    "HiSparse: host pool exhausted during write-through; admission "
+                    "accounting was bypassed")
+            picks.append((i, pos))
+            host_rows.append(rows)
+        if not picks:
+            return
+        sel = torch.tensor([i for i, _ in picks], dtype=torch.int64, device=seq_lens.device)
+        slot = torch.tensor([p for _, p in picks], dtype=torch.int64, device=seq_lens.device)
+        slot = slot.clamp(max=self.device_buffer_size)
+        dev_rows = self.req_to_device_buffer[req_pool_indices[sel], slot]
+        host = torch.cat(host_rows)
+        self.wait_for_pending_backup()
+        if self._streams.gpu:
+            cur = torch.cuda.current_stream()
+            with torch.cuda.stream(self.decode_backup_stream):
+                self.decode_backup_stream.wait_stream(cur)
+                if self.decode_producer_stream is not None:
+                    self.decode_backup_stream.wait_stream(self.decode_producer_stream)
+                self.mem_pool_host.backup_from_device_all_layer(
+                    self.mem_pool_device, host, dev_rows, io_backend="kernel")
+                self._backup_done_event = torch.cuda.Event()
+                self._backup_done_event.record()
+                host.record_stream(self.decode_backup_stream)
+                dev_rows.record_stream(self.decode_backup_stream)
+        else:
+            self.mem_pool_host.backup_from_device_all_layer(
+                self.mem_pool_device, host, dev_rows, io_backend="kernel")
+        self.host_bytes_written += len(picks) * self.item_size_bytes * self.layer_num
+
+    def wait_for_pending_backup(self) -> None:
+        if self._backup_done_event is not None:
+            self._backup_done_event.wait(torch.cuda.current_stream())
+            self._backup_done_event = None
+
+    # ------------------------------------------------------------ swap-in
+    def swap_in_selected_pages(self, req_pool_indices, compressed_seq_lens, top_k_result,
+                               layer_id: int) -> torch.Tensor:
+        """Physical rows of the selected tokens, loading misses from host (per layer)."""
+        bs = req_pool_indices.size(0)
+        out = self.top_k_device_locs_buffer[:bs]
+        slot_tokens = self.req_device_buffer_tokens[layer_id]
+        before = slot_tokens[req_pool_indices, : self.device_buffer_size].clone()
+        fn = self._swap_in_fn or _swap_in_kernel()
+        fn(
+            top_k_tokens=top_k_result,
+            slot_tokens=slot_tokens,
+            slot_locs=self.req_device_buffer_token_locs[layer_id],
+            lru=self.lru_slots[layer_id],
+            host_locs=self.req_to_host_pool,
+            host_kv=self._host_rows(layer_id),
+            device_kv=self._device_rows(layer_id),
+            req_pool_indices=req_pool_indices,
+            seq_lens=compressed_seq_lens,
+            num_real_reqs=self.num_real_reqs,
+            out=out,
+            layout="c4" if self.is_dsv4_hisparse else "rows",
+        )
+        # Hit/miss counters without a host sync: a miss rewrites one slot.
+        real = (self._row_ids[:bs] < self.num_real_reqs).to(torch.int64)
+        changed = (slot_tokens[req_pool_indices, : self.device_buffer_size] != before).sum(1)
+        selected = (top_k_result[:, : self.top_k] >= 0).sum(1)
+        misses = (changed * real).sum()
+        self._misses += misses
+        self._hits += (selected * real).sum() - misses
+        return out
+
+    def _host_rows(self, layer_id: int) -> torch.Tensor:
+        buf = self.mem_pool_host.kv_buffer[layer_id]
+        return buf.view(torch.uint8).reshape(buf.shape[0], -1)
+
+    def _device_rows(self, layer_id: int) -> torch.Tensor:
+        buf = self.mem_pool_device.kv_buffer[layer_id]
+        return buf.view(torch.uint8).reshape(buf.shape[0], -1)
+
+    # ------------------------------------------------------------ release
+    def _reset_rows(self, idx: int) -> None:
+        self.req_device_buffer_tokens[:, idx, :] = -1
+        self.req_device_buffer_token_locs[:, idx, :] = -1
+        self.req_to_device_buffer[idx, :] = 0
+        self.req_device_buffer_size[idx] = 0
+        self.lru_slots[:, idx, :].copy_(self._lru_init)
+        self._skip_first_backup[idx] = False
+        self.mem_pool_host.release_request_rows(
+            self.req_to_host_pool, self.req_to_host_pool_allocated_len, idx)
+
+    def abort_staging_request(self, req) -> None:
+        """Drop a request that is staging (or waiting for host pages)."""
+        self.ack_staging_queue = [s for s in self.ack_staging_queue if s.req is not req]
+        self._host_wait = [r for r in self._host_wait if r is not req]
+        if self._streams.gpu:
+            self.write_staging_stream.synchronize()
+        idx = req.req_pool_idx
+        if self._live.get(idx) is req:
+            del self._live[idx]
+        logical = self.req_to_token_pool.req_to_token[idx, : req.fill_len].to(torch.int64)
+        if self.is_dsv4_hisparse:
+            logical = self.mem_pool_device.translate_loc_from_full_to_compressed(logical)
+        self.token_to_kv_pool_allocator.free_hisparse(logical)
+        self._reset_rows(idx)
+        req.hisparse_staging = False
+
+    def retract_req(self, req) -> None:
+        if getattr(req, "hisparse_staging", False):
+            self.abort_staging_request(req)
+        else:
+            self.request_finished(req)
+
+    def request_finished(self, req) -> None:
+        """Release a request's hot buffer and host rows. Safe to call for requests
+        the coordinator never saw (finished right after prefill) and twice."""
+        idx = req.req_pool_idx
+        if idx is None or self._live.get(idx) is not req:
+            return
+        if getattr(req, "hisparse_staging", False):
+            self.abort_staging_request(req)
+            return
+        if self._streams.gpu:
+            if self.decode_producer_stream is not None:
+                torch.cuda.current_stream().wait_stream(self.decode_producer_stream)
+            self.wait_for_pending_backup()
+        del self._live[idx]
+        cap = int(self.req_device_buffer_size[idx])
+        if cap:
+            rows = self.req_to_device_buffer[idx, :cap]
+            self.token_to_kv_pool_allocator.free_hisparse_indices(torch.unique(rows[rows > 0]))
+        logical = self.req_to_token_pool.req_to_token[idx, : req.kv_allocated_len].to(torch.int64)
+        if self.is_dsv4_hisparse:
+            logical = self.mem_pool_device.translate_loc_from_full_to_compressed(logical)
+        self._mapping()[logical] = 0  # the hot buffer rows are freed above
+        self._reset_rows(idx)
+
+    def live_request_slots(self) -> List[int]:
+        return sorted(self._live)
+
+    def destroy(self) -> None:
+        """Drain side streams, then release pinned host memory."""
+        if self._streams.gpu:
+            self.write_staging_stream.synchronize()
+            self.decode_backup_stream.synchronize()
+        self.ack_staging_queue.clear()
+        self._host_wait.clear()
+        self.mem_pool_host.destroy()
+
+
+# ------------------------------------------------------------------ hooks
+# Installed by the manifest (scope DATA_PLANE); see sglang_hisparse/manifest.py.
+
+
+def model_runner_max_token_pool_size(self):
+    """PROPERTY getter for ``ModelRunner.max_token_pool_size`` (0.5.13
+    ``model_runner.py:2204``): with HiSparse the longest request is bounded by
+    the host-backed logical space, not the GPU pool (0.5.23 MR:1516-1524).
+    Feeds ``TpModelWorker.max_req_len`` and the PD prefill budget."""
+    alloc = getattr(self, "token_to_kv_pool_allocator", None)
+    if getattr(self, "enable_hisparse", False) and hasattr(alloc, "logical_capacity"):
+        return alloc.logical_capacity
+    if self.is_hybrid_swa:
+        return self.full_max_total_num_tokens
+    return self.max_total_num_tokens
+
+
+def scheduler_abort_request(original, self, recv_req):
+    """AROUND ``Scheduler.abort_request`` (0.5.13 ``scheduler.py:3618``).
+
+    0.5.13 has a "todo hisparse" here and leaks in two cases:
+    * PD decode: a waiting-queue request already holds a hot buffer and host
+      rows (``admit_request_direct``); the original only releases its logical
+      KV. Release the HiSparse side first (0.5.23 S:5708-5709).
+    * Colocated: a request in the staging queue is in no queue the original
+      scans, so the abort is lost and it runs to completion. Mark it
+      ``to_finish`` so it finishes (and is released) on its first decode step.
+    """
+    coord = getattr(self, "hisparse_coordinator", None)
+    if coord is not None and getattr(self, "enable_hisparse", False):
+        def hit(req):
+            return recv_req.abort_all or req.rid.startswith(recv_req.rid)
+
+        from sglang.srt.disaggregation.utils import DisaggregationMode
+
+        if self.disaggregation_mode == DisaggregationMode.DECODE:
+            for req in self.waiting_queue:
+                if hit(req):
+                    coord.request_finished(req)
+        staged = [s.req for s in getattr(coord, "ack_staging_queue", [])]
+        staged += list(getattr(coord, "_host_wait", []))
+        if staged:
+            from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+            for req in staged:
+                if hit(req) and not req.finished():
+                    req.to_finish = FINISH_ABORT()
+    return original(self, recv_req)

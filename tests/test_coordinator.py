@@ -1,0 +1,330 @@
+"""Coordinator lifecycle on CPU with real SGLang pools and Req objects.
+
+Every test counts logical, physical, host and request slots back to their
+starting values after finish / abort (waiting, staging, running) / retract /
+shutdown.
+"""
+
+import pytest
+import torch
+
+from dataplane_fixtures import get_tag, put_tag, PS, dsa_pool, free_counts, make_req, prefill, release, req_pool, t64
+from sglang_hisparse.allocator import HiSparseDualAllocator
+from sglang_hisparse.coordinator import HiSparseCoordinator
+
+HOT, TOPK = 128, 16
+
+
+class Env:
+    def __init__(self, phys=1024, ratio=2, host_pool=None):
+        self.pool = dsa_pool(phys)
+        self.r2t = req_pool(8, 2048)
+        self.alloc = HiSparseDualAllocator(phys, PS, torch.bfloat16, "cpu", self.pool, False, ratio)
+        self.coord = HiSparseCoordinator(self.r2t, self.alloc, TOPK, HOT, "cpu", None, ratio,
+                                         host_pool=host_pool)
+        self.host = self.coord.mem_pool_host
+        self.start = self.counts()
+
+    def counts(self):
+        return free_counts(self.alloc, self.host, self.r2t)
+
+    def staged(self, rid, n):
+        req = make_req(rid, n)
+        prefill(self.r2t, self.alloc, req, n, pool=self.pool)
+        self.coord.admit_request_into_staging(req)
+        return req
+
+    def decode(self, reqs):
+        rpi = t64(*[r.req_pool_idx for r in reqs])
+        seq = t64(*[r.kv_allocated_len for r in reqs])
+        last = self.r2t.req_to_token[rpi, seq - 1].to(torch.int64)
+        out = self.alloc.alloc_decode(seq + 1, seq + 1, last)
+        self.r2t.req_to_token[rpi, seq] = out.to(torch.int32)
+        for r in reqs:
+            r.kv_allocated_len += 1
+        seq = seq + 1
+        self.coord.map_last_loc_to_buffer(seq, out, rpi, seq.clone(), None)  # 0.5.13 passes None
+        rows = self.alloc.translate_to_physical(out)
+        for layer in range(self.pool.layer_num):  # "forward" writes the new token
+            put_tag(self.pool.kv_buffer[layer], rows, seq - 1)
+            self.pool.kv_buffer[layer][rows, 0, 1] = float(layer + 1)
+        return rpi, seq
+
+    def finish(self, req):
+        self.coord.request_finished(req)
+        release(self.r2t, self.alloc, req)
+
+    def drained(self):
+        return (self.counts() == self.start and not self.coord.live_request_slots()
+                and int(self.alloc.full_to_hisparse_device_index_mapping[:-1].abs().sum()) == 0)
+
+
+def test_drop_in_signature():
+    import inspect
+
+    from sglang.srt.managers.hisparse_coordinator import HiSparseCoordinator as Native
+
+    ours = list(inspect.signature(HiSparseCoordinator.__init__).parameters)
+    native = list(inspect.signature(Native.__init__).parameters)
+    assert ours[: len(native)] == native
+    for name in ("admit_request_into_staging", "admit_request_direct", "collect_ready_reqs",
+                 "has_ongoing_staging", "alloc_device_buffer", "map_last_loc_to_buffer",
+                 "swap_in_selected_pages", "request_finished", "retract_req",
+                 "abort_staging_request", "get_token_stats", "set_decode_producer_stream",
+                 "wait_for_pending_backup", "host_token_len"):
+        assert callable(getattr(HiSparseCoordinator, name))
+
+
+def test_staging_to_hot_buffer_and_finish():
+    env = Env()
+    long_req = env.staged("long", 300)
+    short_req = env.staged("short", 60)
+    assert env.coord.has_ongoing_staging()
+    # staging copied every prefill row of every layer to host
+    idx = long_req.req_pool_idx
+    host_rows = env.coord.req_to_host_pool[idx, :300]
+    assert bool((host_rows >= 0).all())
+    assert get_tag(env.host.kv_buffer[1], host_rows) == list(range(300))
+    ready = env.coord.collect_ready_reqs()
+    assert ready == [long_req, short_req] and not env.coord.has_ongoing_staging()
+    assert not long_req.hisparse_staging
+    assert int(env.coord.req_device_buffer_size[idx]) == HOT + PS
+    assert int(env.coord.req_device_buffer_size[short_req.req_pool_idx]) == PS
+    # long request: only its padded hot buffer stays on the device
+    assert env.alloc.physical_available_size() == 1024 - (HOT + PS) - PS
+    toks = env.coord.req_device_buffer_tokens[0, idx]
+    assert toks[:HOT].tolist() == list(range(HOT)) and int(toks[HOT]) == -1
+    stats = env.coord.get_token_stats()
+    assert stats.device_tokens == HOT + PS + PS and stats.host_tokens == 320 + PS
+    env.finish(long_req)
+    env.finish(short_req)
+    assert env.drained()
+
+
+def test_decode_write_through_growth_and_swap_in():
+    env = Env()
+    a = env.staged("a", 300)
+    b = env.staged("b", 60)
+    env.coord.collect_ready_reqs()
+    host_before = env.host.available_size()
+    rpi, seq = env.decode([a, b])  # first step after staging: no write-through
+    assert env.coord.host_bytes_written == 360 * 1152 * 2
+    # newest token of the long request sits in slot HOT, short one in its own slot
+    assert int(env.coord.req_device_buffer_token_locs[0, a.req_pool_idx, HOT]) == int(
+        env.coord.req_to_device_buffer[a.req_pool_idx, HOT])
+    rpi, seq = env.decode([a, b])  # now the previous token is written through
+    assert env.coord.req_to_host_pool[a.req_pool_idx, 300] >= 0
+    assert env.coord.req_to_host_pool[b.req_pool_idx, 60] >= 0
+    assert env.host.available_size() == host_before  # both tokens land in owned pages
+    host_row = int(env.coord.req_to_host_pool[a.req_pool_idx, 300])
+    assert get_tag(env.host.kv_buffer[0], [host_row]) == [300]
+    # swap-in through the kernels package (torch reference on CPU)
+    topk = torch.full((2, TOPK), -1, dtype=torch.int32)
+    topk[0, :4] = torch.tensor([5, 250, 301, 300], dtype=torch.int32)  # hit, miss, newest, miss
+    topk[1, :3] = torch.tensor([0, 61, 30], dtype=torch.int32)
+    env.coord.num_real_reqs.fill_(2)
+    out = env.coord.swap_in_selected_pages(rpi, seq, topk, 0)
+    kv = env.pool.kv_buffer[0]
+    assert get_tag(kv, out[0, :4]) == [5, 250, 301, 300]
+    assert get_tag(kv, out[1, :3]) == [0, 61, 30]
+    assert bool((out[0, 4:] == -1).all())
+    st = env.coord.get_hisparse_stats()
+    assert st["misses"] == 2 and st["hits"] == 5 and st["host_bytes_read"] == 2 * 1152
+    # short request grows one page at a time up to the padded buffer
+    assert int(env.coord.req_device_buffer_size[b.req_pool_idx]) == PS
+    for _ in range(10):
+        env.decode([a, b])
+    # seq 72 > one page: a hot buffer of HOT rows is full size, so + extra page
+    assert int(env.coord.req_device_buffer_size[b.req_pool_idx]) == HOT + PS
+    env.finish(a)
+    env.finish(b)
+    assert env.drained()
+
+
+def test_short_request_grows_to_padded_buffer():
+    env = Env()
+    r = env.staged("r", HOT - PS - 2)
+    env.coord.collect_ready_reqs()
+    assert int(env.coord.req_device_buffer_size[r.req_pool_idx]) == PS
+    for _ in range(PS + 2):
+        env.decode([r])  # grows on the step that crosses the page
+    assert int(env.coord.req_device_buffer_size[r.req_pool_idx]) == HOT + PS
+    rpi, seq = env.decode([r])  # first long step: newest token in slot HOT
+    topk = torch.full((1, TOPK), -1, dtype=torch.int32)
+    topk[0, :3] = torch.tensor([0, HOT - 1, HOT], dtype=torch.int32)
+    env.coord.num_real_reqs.fill_(1)
+    out = env.coord.swap_in_selected_pages(rpi, seq, topk, 1)
+    kv = env.pool.kv_buffer[1]
+    assert get_tag(kv, out[0, :3]) == [0, HOT - 1, HOT]
+    env.finish(r)
+    assert env.drained()
+
+
+@pytest.mark.parametrize("state", ["staging_in_flight", "staging_done", "running", "waiting_host"])
+def test_abort_in_every_state_returns_everything(state):
+    env = Env()
+    if state == "staging_in_flight":
+        env.coord.set_cpu_staging_delay(lambda: 5)
+    if state == "waiting_host":
+        grab = env.host.alloc_page(env.host.free_page_count() - 1)
+    req = env.staged("x", 200)
+    if state == "waiting_host":
+        assert env.coord.has_ongoing_staging() and env.coord.get_hisparse_stats()["host_wait_reqs"] == 1
+        assert env.coord.collect_ready_reqs() == []
+    if state == "staging_in_flight":
+        assert env.coord.collect_ready_reqs() == [] and req.hisparse_staging
+    if state == "running":
+        env.coord.collect_ready_reqs()
+        env.decode([req])
+        env.decode([req])
+    # the scheduler's abort / retract path
+    env.coord.retract_req(req) if state != "running" else env.coord.request_finished(req)
+    release(env.r2t, env.alloc, req)
+    if state == "waiting_host":
+        env.host.free(grab)
+    assert not env.coord.has_ongoing_staging()
+    assert env.drained()
+
+
+def test_host_wait_never_crashes_and_resumes():
+    env = Env()
+    grab = env.host.alloc_page(env.host.free_page_count() - 2)
+    a = env.staged("a", 100)  # 2 pages: fits
+    b = env.staged("b", 100)  # waits for host pages
+    assert env.coord.collect_ready_reqs() == [a]
+    assert env.coord.collect_ready_reqs() == [] and env.coord.has_ongoing_staging()
+    env.finish(a)
+    assert env.coord.collect_ready_reqs() == [b]
+    env.host.free(grab)
+    env.finish(b)
+    assert env.drained()
+
+
+def test_admission_counts_hot_buffer_growth_and_host():
+    env = Env(phys=512)
+    r = env.staged("s", 10)
+    env.coord.collect_ready_reqs()
+    # short request holds one page but may grow to HOT + PS
+    owed_phys, _ = env.coord._owed_tokens()
+    assert owed_phys == HOT + PS - PS
+    assert env.alloc.available_size() == 512 - PS - owed_phys
+    env.finish(r)
+    assert env.drained() and env.alloc.available_size() == 512
+
+
+def test_finished_right_after_prefill_is_noop_for_coordinator():
+    env = Env()
+    req = make_req("p", 50)
+    prefill(env.r2t, env.alloc, req, 50)
+    env.coord.request_finished(req)
+    release(env.r2t, env.alloc, req)
+    assert env.drained() and env.alloc.pending_prefill_claim() == 0
+
+
+def test_retract_running_then_readmit():
+    env = Env()
+    req = env.staged("r", 150)
+    env.coord.collect_ready_reqs()
+    env.decode([req])
+    env.coord.retract_req(req)
+    release(env.r2t, env.alloc, req)
+    assert env.drained()
+    req2 = env.staged("r", 150)
+    env.coord.collect_ready_reqs()
+    env.finish(req2)
+    assert env.drained()
+
+
+@pytest.mark.parametrize("n", [90, 400])
+def test_direct_admission_pd_decode(n):
+    env = Env()
+    req = make_req("pd", n)
+    (idx,) = env.r2t.alloc([req])
+    req.req_pool_idx = idx
+    logical = env.alloc.alloc_logical_only(t64(0), t64(0), t64(n), t64(n), t64(-1), n)
+    env.r2t.req_to_token[idx, :n] = logical.to(torch.int32)
+    req.fill_len = req.kv_allocated_len = n
+    host = env.host.alloc_paged_token_slots(env.coord.req_to_host_pool,
+                                            env.coord.req_to_host_pool_allocated_len, idx, 0,
+                                            env.coord.host_token_len(n))
+    for layer in range(2):  # the transfer engine writes host rows
+        put_tag(env.host.kv_buffer[layer], host, torch.arange(n))
+    env.coord.admit_request_direct(req)
+    rows = env.coord.req_to_device_buffer[idx]
+    if n <= HOT:  # preloaded
+        assert get_tag(env.pool.kv_buffer[1], [int(rows[n - 1])]) == [n - 1]
+    else:
+        assert bool((env.coord.req_device_buffer_tokens[:, idx] == -1).all())
+    env.decode([req])
+    env.finish(req)
+    assert env.drained()
+
+
+def test_destroy():
+    env = Env()
+    env.staged("a", 64)
+    env.coord.destroy()
+    assert not env.coord.has_ongoing_staging()
+
+
+def test_abort_hook_releases_pd_waiting_and_marks_staging():
+    # Scheduler and ModelRunner cannot be built on CPU; the hooks only read
+    # these attributes of them.
+    from types import SimpleNamespace
+
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.managers.io_struct import AbortReq
+
+    from sglang_hisparse.coordinator import scheduler_abort_request
+
+    env = Env()
+    pd = make_req("pd-1", 90)
+    (idx,) = env.r2t.alloc([pd])
+    pd.req_pool_idx = idx
+    logical = env.alloc.alloc_logical_only(t64(0), t64(0), t64(90), t64(90), t64(-1), 90)
+    env.r2t.req_to_token[idx, :90] = logical.to(torch.int32)
+    pd.fill_len = pd.kv_allocated_len = 90
+    env.host.alloc_paged_token_slots(env.coord.req_to_host_pool,
+                                     env.coord.req_to_host_pool_allocated_len, idx, 0, 90)
+    env.coord.admit_request_direct(pd)
+    env.coord.set_cpu_staging_delay(lambda: 3)
+    staged = env.staged("pd-2", 100)
+    sched = SimpleNamespace(hisparse_coordinator=env.coord, enable_hisparse=True,
+                            disaggregation_mode=DisaggregationMode.DECODE, waiting_queue=[pd])
+    calls = []
+
+    def original(self, recv_req):  # stands for 0.5.13 abort_request: release_kv_cache
+        calls.append(recv_req.rid)
+        release(env.r2t, env.alloc, pd)
+
+    scheduler_abort_request(original, sched, AbortReq(rid="pd"))
+    assert calls == ["pd"]
+    assert staged.to_finish is not None  # finishes on its first decode step
+    env.coord.retract_req(staged)
+    release(env.r2t, env.alloc, staged)
+    assert env.drained()
+
+
+def test_max_token_pool_size_is_logical():
+    from types import SimpleNamespace
+
+    from sglang_hisparse.coordinator import model_runner_max_token_pool_size
+
+    env = Env()
+    mr = SimpleNamespace(enable_hisparse=True, token_to_kv_pool_allocator=env.alloc,
+                         is_hybrid_swa=False, max_total_num_tokens=1024)
+    assert model_runner_max_token_pool_size(mr) == 2048
+    mr.enable_hisparse = False
+    assert model_runner_max_token_pool_size(mr) == 1024
+
+
+def test_manifest_entries_check_out():
+    from sglang_hisparse.manifest import ENTRIES, Scope
+    from sglang_hisparse.plugin import check_entry
+
+    mine = [e for e in ENTRIES if e.impl and e.impl.startswith(("sglang_hisparse.coordinator",
+                                                                 "sglang_hisparse.allocator"))]
+    assert len(mine) == 4 and all(e.scope is Scope.DATA_PLANE for e in mine)
+    for e in mine:
+        c = check_entry(e, "0.5.13")
+        assert c.ok, (e.target, c.detail)
