@@ -15,7 +15,9 @@ Keys (all optional)::
     host_to_device_ratio  host pool size as a multiple of the device KV pool;
                           default 2.
     swap_in_block_size    CUDA threads per block of the swap-in kernel;
-                          default 960; a multiple of 32 in [32, 1024].
+                          default: the kernel's own choice (see
+                          sglang_hisparse.kernels.default_block_size); a
+                          multiple of 32 in [32, 1024].
 
 0.5.13's own parser accepts anything json.loads accepts (unknown keys,
 ``true`` as a size, a buffer smaller than top_k with the model's top_k) and
@@ -32,8 +34,6 @@ from typing import Callable
 FLAG = "--hisparse-config"
 
 DEFAULT_HOST_TO_DEVICE_RATIO = 2
-# Upstream's default from 0.5.15 on: 30 warps per block.
-DEFAULT_SWAP_IN_BLOCK_SIZE = 960
 # The kernel splits a block into 32-thread warps that copy items cooperatively,
 # so a partial warp is not allowed; 1024 is CUDA's limit on threads per block.
 WARP_SIZE = 32
@@ -51,7 +51,8 @@ class HiSparseConfig:
     # None: not given; resolve() makes it 2 x top_k.
     device_buffer_size: int | None = None
     host_to_device_ratio: int = DEFAULT_HOST_TO_DEVICE_RATIO
-    swap_in_block_size: int = DEFAULT_SWAP_IN_BLOCK_SIZE
+    # None: the kernel picks by hot-buffer size (measured, not guessed).
+    swap_in_block_size: int | None = None
 
     @property
     def is_resolved(self) -> bool:

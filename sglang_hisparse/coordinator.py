@@ -119,6 +119,20 @@ def _swap_in_kernel():
     return kernels.swap_in_selected
 
 
+def _configured_swap_in_block_size() -> Optional[int]:
+    # 0.5.13 builds the coordinator with a fixed set of kwargs, so the
+    # swap_in_block_size field of --hisparse-config is read from the
+    # process-wide server args (None when there are none, e.g. in tests).
+    try:
+        from sglang.srt.server_args import get_global_server_args
+
+        from sglang_hisparse.arg_hooks.sparse_config import resolved_hisparse_config
+
+        return resolved_hisparse_config(get_global_server_args()).swap_in_block_size
+    except Exception:
+        return None
+
+
 class HiSparseCoordinator:
     """Replacement for 0.5.13 ``HiSparseCoordinator`` (same constructor)."""
 
@@ -134,6 +148,7 @@ class HiSparseCoordinator:
         *,
         host_pool=None,
         swap_in_fn: Optional[Callable] = None,
+        swap_in_block_size: Optional[int] = None,
     ):
         if device_buffer_size < top_k:
             raise ValueError(
@@ -147,6 +162,7 @@ class HiSparseCoordinator:
         self.compress_ratio = getattr(alloc, "compress_ratio", 1)
         self.is_dsv4_hisparse = self.compress_ratio != 1
         self._swap_in_fn = swap_in_fn
+        self.swap_in_block_size = swap_in_block_size or _configured_swap_in_block_size()
 
         if self.is_dsv4_hisparse:
             # 0.5.13 DeepSeekV4HiSparseTokenToKVPoolAllocator: C4 physical pool.
@@ -195,6 +211,10 @@ class HiSparseCoordinator:
         self.lru_slots = self._lru_init.repeat(self.layer_num, max_reqs, 1).contiguous()
         self._arange_i32 = torch.arange(P, **i32)
         self.top_k_device_locs_buffer = torch.full((max_reqs, top_k), -1, **i32)
+        # The kernel's miss plan: only miss_count is read (hit/miss counters).
+        self._miss_src = torch.zeros((max_reqs, top_k), dtype=torch.int64, device=device)
+        self._miss_dst = torch.zeros((max_reqs, top_k), **i32)
+        self._miss_count = torch.zeros(max_reqs, **i32)
         self.raw_indices_buffer = torch.full((max_reqs, top_k), -1, **i32)
         self.num_real_reqs = torch.zeros(1, **i32)
         self._row_ids = torch.arange(max_reqs, **i32)
@@ -524,12 +544,11 @@ class HiSparseCoordinator:
         """Physical rows of the selected tokens, loading misses from host (per layer)."""
         bs = req_pool_indices.size(0)
         out = self.top_k_device_locs_buffer[:bs]
-        slot_tokens = self.req_device_buffer_tokens[layer_id]
-        before = slot_tokens[req_pool_indices, : self.device_buffer_size].clone()
         fn = self._swap_in_fn or _swap_in_kernel()
+        extra = {} if self.swap_in_block_size is None else {"block_size": self.swap_in_block_size}
         fn(
             top_k_tokens=top_k_result,
-            slot_tokens=slot_tokens,
+            slot_tokens=self.req_device_buffer_tokens[layer_id],
             slot_locs=self.req_device_buffer_token_locs[layer_id],
             lru=self.lru_slots[layer_id],
             host_locs=self.req_to_host_pool,
@@ -540,12 +559,15 @@ class HiSparseCoordinator:
             num_real_reqs=self.num_real_reqs,
             out=out,
             layout="c4" if self.is_dsv4_hisparse else "rows",
+            miss_src=self._miss_src[:bs],
+            miss_dst=self._miss_dst[:bs],
+            miss_count=self._miss_count[:bs],
+            **extra,
         )
-        # Hit/miss counters without a host sync: a miss rewrites one slot.
+        # Counters stay on the device: no host sync on the decode path.
         real = (self._row_ids[:bs] < self.num_real_reqs).to(torch.int64)
-        changed = (slot_tokens[req_pool_indices, : self.device_buffer_size] != before).sum(1)
         selected = (top_k_result[:, : self.top_k] >= 0).sum(1)
-        misses = (changed * real).sum()
+        misses = (self._miss_count[:bs].to(torch.int64) * real).sum()
         self._misses += misses
         self._hits += (selected * real).sum() - misses
         return out

@@ -161,7 +161,7 @@ def test_defaults_bf16_backends_and_top_k_from_model(ours):
     sparse = result["sparse_config"]
     assert (sparse["top_k"], sparse["device_buffer_size"]) == (2048, 4096)
     assert sparse["host_to_device_ratio"] == 2
-    assert sparse["sparse_extra_config"] == {"swap_in_block_size": 960}
+    assert sparse["sparse_extra_config"] == {"swap_in_block_size": None}
 
 
 def test_fp8_backends_and_explicit_sizes(ours):

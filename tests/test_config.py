@@ -20,7 +20,7 @@ def test_no_flag_gives_defaults_resolved_from_the_model():
     resolved = config.resolve(model_index_topk=2048)
     assert resolved.is_resolved
     assert (resolved.top_k, resolved.device_buffer_size) == (2048, 4096)
-    assert (resolved.host_to_device_ratio, resolved.swap_in_block_size) == (2, 960)
+    assert (resolved.host_to_device_ratio, resolved.swap_in_block_size) == (2, None)
 
 
 def test_explicit_values_are_kept():

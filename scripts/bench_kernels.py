@@ -1,0 +1,357 @@
+#!/usr/bin/env python3
+"""Swap-in kernel benchmark: ours vs SGLang 0.5.13's (and optionally 0.5.23's).
+
+One decode-step layer call per point: top_k 2048, hot buffer 4096 (+64
+newest page), seq_len 32768, 1152-byte rows (DSA bf16 MLA), batch
+{1, 8, 32, 64} x miss {0, 13, 40, 100}%. Each timed call starts from the
+same slot tables (restored before it), with L2 flushed, and is replayed from
+a CUDA graph (as in decode) and timed with CUDA events; the median is shown.
+
+Columns: ours, ours with the host copies skipped (resolve cost alone),
+SGLang 0.5.13, SGLang 0.5.23 (with --upstream-0523 DIR), the bytes-moved
+lower bound max(bytes / H2D ceiling, 10 us), where the ceiling is a large
+pinned cudaMemcpyAsync measured in the same run, and the ratios
+ours / bound (target <= 1.18) and ours / best upstream (target <= 1).
+
+Usage:
+  python scripts/bench_kernels.py [--quick] [--json OUT]
+                                  [--upstream-0523 DIR] [--blocks-per-req N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+TOP_K = 2048
+HOT = 4096
+PAGE = 64
+SEQ = 32768
+ITEM = 1152
+HOST_ROWS = 1 << 18
+FLUSH_BYTES = 256 << 20
+MIN_BOUND_US = 10.0
+TARGET_RATIO = 1.18
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# --------------------------------------------------------------------------
+# inputs
+
+
+class World:
+    """Pools sized for the largest batch; each point uses the first bs rows."""
+
+    def __init__(self, max_bs: int, seed: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        self.max_bs = max_bs
+        width = HOT + PAGE
+        log(f"allocating: host pool {HOST_ROWS * ITEM / 2**20:.0f} MiB pinned, "
+            f"device pool {max_bs * width * ITEM / 2**20:.0f} MiB")
+        self.host_kv = torch.randint(0, 256, (HOST_ROWS, ITEM), dtype=torch.uint8, generator=gen).pin_memory()
+        self.device_kv = torch.empty((max_bs * width, ITEM), dtype=torch.uint8, device="cuda")
+        self.slot_locs = torch.randperm(max_bs * width, generator=gen).to(torch.int32).reshape(max_bs, width).cuda()
+        self.host_locs = torch.randint(0, HOST_ROWS, (max_bs, SEQ), generator=gen).cuda()
+        # resident tokens: a random subset of the older positions; newest at slot HOT
+        st = torch.full((max_bs, width), -1, dtype=torch.int32)
+        self.resident, self.absent = [], []
+        for r in range(max_bs):
+            perm = torch.randperm(SEQ - 1, generator=gen)
+            res, absent = perm[:HOT], perm[HOT:]
+            st[r, :HOT] = res.to(torch.int32)
+            st[r, HOT] = SEQ - 1
+            self.resident.append(res)
+            self.absent.append(absent)
+        self.slot_tokens0 = st.cuda()
+        self.lru0 = torch.stack([torch.randperm(HOT, generator=gen) for _ in range(max_bs)]).to(torch.int16).cuda()
+        self.slot_tokens = self.slot_tokens0.clone()
+        self.lru = self.lru0.clone()
+        self.gen = gen
+
+    def top_k(self, bs: int, miss: float) -> torch.Tensor:
+        n_miss = round(miss * TOP_K)
+        rows = []
+        for r in range(bs):
+            hits = self.resident[r][torch.randperm(HOT, generator=self.gen)[: TOP_K - n_miss]]
+            misses = self.absent[r][torch.randperm(self.absent[r].numel(), generator=self.gen)[:n_miss]]
+            row = torch.cat([hits, misses])
+            rows.append(row[torch.randperm(TOP_K, generator=self.gen)])
+        return torch.stack(rows).to(torch.int32).cuda()
+
+    def restore(self) -> None:
+        self.slot_tokens.copy_(self.slot_tokens0)
+        self.lru.copy_(self.lru0)
+
+
+# --------------------------------------------------------------------------
+# timing
+
+
+class Timer:
+    def __init__(self, iters: int, warmup: int):
+        self.iters, self.warmup = iters, warmup
+        self.flush_buf = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+
+    def median_us(self, fn, restore) -> tuple[float, str]:
+        """Median time of fn() from restored state with a cold L2; replays a
+        CUDA graph of fn when capture works (returns how it ran)."""
+        for _ in range(self.warmup):
+            restore()
+            fn()
+        torch.cuda.synchronize()
+        run, mode = fn, "eager"
+        try:
+            graph = torch.cuda.CUDAGraph()
+            restore()
+            with torch.cuda.graph(graph):
+                fn()
+            torch.cuda.synchronize()
+            run, mode = graph.replay, "graph"
+        except Exception as e:  # noqa: BLE001
+            log(f"    (graph capture failed, timing eagerly: {type(e).__name__}: {e})")
+        times = []
+        for _ in range(self.iters):
+            restore()
+            self.flush_buf.zero_()
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1000.0)
+        return statistics.median(times), mode
+
+
+def h2d_ceiling_gbps(nbytes: int = 512 << 20, reps: int = 7) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000.0)
+    return nbytes / statistics.median(times) / 1e9
+
+
+# --------------------------------------------------------------------------
+# kernels under test
+
+
+def ours(world: World, bs: int, top_k: torch.Tensor, out, num_real, seq_lens, reqs, *,
+         skip_io=False, blocks_per_req=None):
+    from sglang_hisparse.kernels import swap_in
+
+    def call():
+        swap_in(top_k, reqs, seq_lens, num_real, world.slot_tokens, world.slot_locs,
+                world.lru, world.host_locs, world.host_kv, world.device_kv, out,
+                skip_io=skip_io, blocks_per_req=blocks_per_req)
+
+    return call
+
+
+def upstream_0513(world: World, bs, top_k, out, num_real, seq_lens, reqs):
+    from sglang.jit_kernel.hisparse import load_cache_to_device_buffer_mla
+
+    def call():
+        load_cache_to_device_buffer_mla(
+            top_k_tokens=top_k, device_buffer_tokens=world.slot_tokens,
+            host_cache_locs=world.host_locs, device_buffer_locs=world.slot_locs,
+            host_cache=world.host_kv, device_buffer=world.device_kv,
+            top_k_device_locs=out, req_pool_indices=reqs, seq_lens=seq_lens,
+            lru_slots=world.lru, item_size_bytes=ITEM, num_top_k=TOP_K,
+            hot_buffer_size=HOT, page_size=1, block_size=1024, num_real_reqs=num_real,
+        )
+
+    return call
+
+
+def find_0523(path: str) -> tuple[Path, Path]:
+    """(hisparse.cuh, include dir) of a 0.5.23 checkout or site-packages dir."""
+    base = Path(path).expanduser().resolve()
+    for cand in (base, base / "sglang", base / "python" / "sglang"):
+        cuh = cand / "kernels" / "jit" / "csrc" / "kvcacheio" / "hisparse.cuh"
+        inc = cand / "kernels" / "jit" / "include"
+        if cuh.is_file() and inc.is_dir():
+            return cuh, inc
+    raise FileNotFoundError(f"no kernels/jit/csrc/kvcacheio/hisparse.cuh under {base}")
+
+
+def load_0523(path: str):
+    """Builds 0.5.23's swap-in kernel with 0.5.13's load_jit. Its headers
+    must shadow 0.5.13's, so they replace the loader's default include dir
+    for the duration of the build."""
+    import sglang.jit_kernel.utils as jit
+
+    cuh, inc = find_0523(path)
+    # 0.5.23 production block size (coordinator default 960)
+    args = jit.make_cpp_args(960, TOP_K, HOT, True, False, 1, False, False, False)
+    saved = jit.DEFAULT_INCLUDE
+    jit.DEFAULT_INCLUDE = [str(inc)]
+    try:
+        return jit.load_jit(
+            "bench_sglang_0523_hisparse", *args,
+            cuda_files=[str(cuh)],
+            cuda_wrappers=[("load_cache_to_device_buffer", f"sglang::load_cache_to_device_buffer<{args}>")],
+        )
+    finally:
+        jit.DEFAULT_INCLUDE = saved
+
+
+def upstream_0523(module, world: World, bs, top_k, out, num_real, seq_lens, reqs):
+    empty = torch.empty(0, device="cuda")
+
+    def call():
+        module.load_cache_to_device_buffer(
+            top_k, world.slot_tokens, world.host_locs, world.slot_locs, world.host_kv, empty,
+            world.device_kv, empty, out, reqs, seq_lens, world.lru, num_real, 1, ITEM,
+            empty, empty, empty,
+        )
+
+    return call
+
+
+# --------------------------------------------------------------------------
+
+
+def check_against_0513(world: World, ours_fn, up_fn, out_a, out_b) -> str:
+    """Same inputs, same rules: ours must leave exactly what 0.5.13 leaves."""
+    world.restore()
+    ours_fn()
+    got = (out_a.clone(), world.slot_tokens.clone(), world.lru.clone(), world.device_kv.clone())
+    world.restore()
+    up_fn()
+    want = (out_b.clone(), world.slot_tokens.clone(), world.lru.clone(), world.device_kv.clone())
+    torch.cuda.synchronize()
+    names = ("top_k_device_locs", "slot_tokens", "lru", "device_kv")
+    bad = [n for n, a, b in zip(names, got, want) if not torch.equal(a, b)]
+    return "ok" if not bad else "MISMATCH " + ",".join(bad)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="batch {1, 32} x miss {0, 13, 100}, fewer iterations")
+    ap.add_argument("--json", metavar="OUT", help="also write the results as JSON")
+    ap.add_argument("--upstream-0523", metavar="DIR", help="SGLang 0.5.23 package dir (site-packages/sglang or a checkout)")
+    ap.add_argument("--blocks-per-req", type=int, default=None, help="override our blocks per request")
+    ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--no-check", action="store_true", help="skip the ours-vs-0.5.13 state comparison")
+    args = ap.parse_args(argv)
+
+    if not torch.cuda.is_available():
+        log("bench_kernels: no CUDA device visible; nothing to measure")
+        return 2
+    os.environ.setdefault("CUDA_HOME", "/usr/local/cuda")
+    batches = [1, 32] if args.quick else [1, 8, 32, 64]
+    misses = [0.0, 0.13, 1.0] if args.quick else [0.0, 0.13, 0.40, 1.0]
+    iters = args.iters or (10 if args.quick else 30)
+    timer = Timer(iters=iters, warmup=3)
+
+    dev = torch.cuda.get_device_properties(0)
+    log(f"device: {dev.name}, {dev.multi_processor_count} SMs; torch {torch.__version__}")
+    ceiling = h2d_ceiling_gbps()
+    log(f"pinned H2D ceiling (cudaMemcpyAsync, 512 MiB): {ceiling:.1f} GB/s")
+
+    world = World(max(batches))
+
+    mod_0523, why_0523 = None, "not requested (--upstream-0523 DIR)"
+    if args.upstream_0523:
+        try:
+            mod_0523 = load_0523(args.upstream_0523)
+            why_0523 = ""
+        except Exception as e:  # noqa: BLE001
+            why_0523 = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+            log(f"SGLang 0.5.23 kernel unavailable, column skipped: {why_0523}")
+            traceback.print_exc(limit=1)
+    have_0513 = True
+    try:
+        from sglang.jit_kernel.hisparse import load_cache_to_device_buffer_mla  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        have_0513 = False
+        log(f"SGLang 0.5.13 kernel unavailable: {e}")
+
+    from sglang_hisparse.kernels import default_block_size, default_blocks_per_req
+
+    rows = []
+    header = (f"{'bs':>3} {'miss':>5} {'MB':>7} {'bound':>8} {'ours':>8} {'ours/noIO':>9} "
+              f"{'0.5.13':>8} {'0.5.23':>8} {'ours/bnd':>8} {'ours/up':>7} {'split':>5} check")
+    log(header)
+    for bs in batches:
+        reqs = torch.arange(bs, dtype=torch.int64, device="cuda")
+        seq_lens = torch.full((bs,), SEQ, dtype=torch.int64, device="cuda")
+        num_real = torch.tensor([bs], dtype=torch.int32, device="cuda")
+        out_a = torch.empty((bs, TOP_K), dtype=torch.int32, device="cuda")
+        out_b = torch.empty((bs, TOP_K), dtype=torch.int32, device="cuda")
+        split = args.blocks_per_req or default_blocks_per_req(
+            torch.device("cuda"), bs, TOP_K, default_block_size(HOT))
+        for miss in misses:
+            top_k = world.top_k(bs, miss)
+            n_bytes = bs * round(miss * TOP_K) * ITEM
+            bound = max(n_bytes / (ceiling * 1e9) * 1e6, MIN_BOUND_US)
+            fn = ours(world, bs, top_k, out_a, num_real, seq_lens, reqs, blocks_per_req=args.blocks_per_req)
+            t_ours, mode = timer.median_us(fn, world.restore)
+            t_noio, _ = timer.median_us(
+                ours(world, bs, top_k, out_a, num_real, seq_lens, reqs, skip_io=True,
+                     blocks_per_req=args.blocks_per_req), world.restore)
+            t_13 = t_23 = None
+            check = "-"
+            if have_0513:
+                up = upstream_0513(world, bs, top_k, out_b, num_real, seq_lens, reqs)
+                t_13, _ = timer.median_us(up, world.restore)
+                if not args.no_check:
+                    check = check_against_0513(world, fn, up, out_a, out_b)
+            if mod_0523 is not None:
+                try:
+                    t_23, _ = timer.median_us(
+                        upstream_0523(mod_0523, world, bs, top_k, out_b, num_real, seq_lens, reqs),
+                        world.restore)
+                except Exception as e:  # noqa: BLE001
+                    log(f"    0.5.23 call failed: {e}")
+            best_up = min([t for t in (t_13, t_23) if t is not None], default=None)
+            r_bound = t_ours / bound
+            r_up = t_ours / best_up if best_up else None
+            fmt = lambda t: f"{t:8.1f}" if t is not None else f"{'-':>8}"  # noqa: E731
+            log(f"{bs:>3} {miss * 100:>4.0f}% {n_bytes / 1e6:>7.2f} {bound:>8.1f} {t_ours:>8.1f} "
+                f"{t_noio:>9.1f} {fmt(t_13)} {fmt(t_23)} {r_bound:>8.2f} "
+                f"{(f'{r_up:7.2f}' if r_up else '      -')} {split:>5} {check}"
+                + ("" if r_bound <= TARGET_RATIO else "  <-- over bound target")
+                + ("" if r_up is None or r_up <= 1.0 else "  <-- slower than upstream"))
+            rows.append(dict(
+                batch=bs, miss=miss, bytes=n_bytes, bound_us=bound, ours_us=t_ours,
+                ours_skip_io_us=t_noio, sglang_0513_us=t_13, sglang_0523_us=t_23,
+                ours_over_bound=r_bound, ours_over_best_upstream=r_up,
+                blocks_per_req=split, timing=mode, check_vs_0513=check,
+            ))
+    worst = max(r["ours_over_bound"] for r in rows)
+    log(f"worst ours/bound: {worst:.2f} (target <= {TARGET_RATIO})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(
+            device=dev.name, sms=dev.multi_processor_count, h2d_ceiling_gbps=ceiling,
+            top_k=TOP_K, hot_buffer=HOT, page=PAGE, seq_len=SEQ, item_bytes=ITEM,
+            iters=iters, sglang_0523=why_0523 or "ok", rows=rows,
+        ), indent=2))
+        log(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,314 @@
+#!/usr/bin/env python3
+"""End-to-end HiSparse on a GPU: SGLang 0.5.13 servers side by side.
+
+Runs wherever sglang 0.5.13 and this package are importable (e.g. the H200
+with the ../shared/gpu bundle: ``source .gpu/device_env.sh`` first). For each
+repeat it launches every configuration in turn (alternating, so drift hits
+all of them alike), sends the workloads, stops the server, and finally prints
+medians, spreads and ratios and writes JSON.
+
+Configurations:
+  base    no HiSparse (the whole KV on the GPU)
+  native  SGLang 0.5.13's own HiSparse data plane with only our argument
+          handling and the decode-crash fix (SGLANG_HISPARSE_NATIVE=1)
+  ours    this package's data plane
+  stock   0.5.13 as shipped, plugin not loaded (expected to crash at the
+          first decode step)
+
+Workloads:
+  smoke       600, 3000, 9000 tokens, then a concurrent 7000/8500 pair
+  concurrent  16 concurrent 9000-token prompts
+  capacity    16 x 16000-token prompts x 128 output tokens sent at once,
+              --max-total-tokens 40000
+  lone        one 16000-token prompt, 256 output tokens
+
+Exactness: greedy outputs with top-2 logprobs; a step counts when both
+servers produced the same prefix so far and the baseline's top-1/top-2
+margin exceeds --margin; such steps must agree within --tol.
+
+    python scripts/e2e_gpu.py --configs base,ours --workloads smoke,concurrent \
+        --repeats 1 --model .gpu/tiny-dsv32 --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+HS_CONFIG = {"top_k": 2048, "device_buffer_size": 4096, "host_to_device_ratio": 8}
+
+WORKLOADS = {
+    # name: (list of prompt lengths sent together in groups, output tokens, server extra args)
+    "smoke": ([[600], [3000], [9000], [7000, 8500]], 24, []),
+    "concurrent": ([[9000] * 16], 32, []),
+    "capacity": ([[16000] * 16], 128, ["--max-total-tokens", "40000"]),
+    "lone": ([[16000]], 256, []),
+}
+
+
+def server_cmd(model: str, port: int, config: str, extra: list[str]) -> tuple[list[str], dict]:
+    env = dict(os.environ)
+    args = [
+        sys.executable, "-m", "sglang.launch_server", "--port", str(port),
+        "--host", "127.0.0.1", "--model-path", model, "--load-format", "dummy",
+        "--skip-tokenizer-init", "--disable-radix-cache", "--kv-cache-dtype", "bfloat16",
+        "--dsa-prefill-backend", "flashmla_sparse", "--dsa-decode-backend", "flashmla_sparse",
+        "--disable-piecewise-cuda-graph", "--mem-fraction-static", "0.35",
+        "--max-running-requests", "32", "--context-length", "32768",
+        "--skip-server-warmup", "--random-seed", "0", "--decode-log-interval", "4",
+    ]
+    if "--max-total-tokens" not in extra:
+        args += ["--max-total-tokens", "131072"]
+    args += extra
+    if config != "base":
+        args += ["--enable-hisparse", "--hisparse-config", json.dumps(HS_CONFIG)]
+    if config == "native":
+        env["SGLANG_HISPARSE_NATIVE"] = "1"
+    if config == "stock":
+        # SGLang's own whitelist: every plugin but ours (test weights stay).
+        from importlib.metadata import entry_points
+
+        others = {ep.name for ep in entry_points(group="sglang.srt.plugins")} - {"sglang_hisparse"}
+        env["SGLANG_PLUGINS"] = ",".join(sorted(others)) or "__none__"
+    return args, env
+
+
+class Server:
+    def __init__(self, model, port, config, extra, log_path):
+        cmd, env = server_cmd(model, port, config, extra)
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def wait_ready(self, timeout=420):
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited rc={self.proc.returncode}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return time.time() - t0
+            except Exception:
+                pass
+            time.sleep(1)
+        raise TimeoutError("server not ready")
+
+    def stop(self):
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=30)
+        except Exception:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except Exception:
+                pass
+        self.log.close()
+
+
+def make_ids(n: int, seed: int, vocab: int = 32768) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(2, vocab) for _ in range(n)]
+
+
+def stream_generate(url: str, ids: list[int], max_new: int, timeout: float = 600) -> dict:
+    """One streaming /generate; returns token ids, top-2 logprobs and timings."""
+    body = json.dumps({
+        "input_ids": ids,
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new, "ignore_eos": True},
+        "return_logprob": True, "top_logprobs_num": 2, "stream": True,
+    }).encode()
+    req = urllib.request.Request(url + "/generate", data=body,
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.time()
+    stamps, last = [], None
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            last = json.loads(line[5:])
+            stamps.append(time.time() - t0)
+    mi = last["meta_info"]
+    top = mi.get("output_top_logprobs") or []
+    out = {
+        "prompt_len": len(ids),
+        "output_ids": last.get("output_ids"),
+        "logprobs": [x[0] for x in mi.get("output_token_logprobs", [])],
+        "top2": [[t[0] for t in step[:2]] if step else [] for step in top],
+        "ttft": stamps[0] if stamps else None,
+        "e2e": stamps[-1] if stamps else None,
+        "finish_reason": mi.get("finish_reason"),
+    }
+    n = len(out["output_ids"] or [])
+    if n > 1 and out["ttft"] is not None:
+        out["tpot_ms"] = 1000 * (out["e2e"] - out["ttft"]) / (n - 1)
+    return out
+
+
+def run_workload(url: str, name: str, seed0: int = 0) -> dict:
+    groups, max_new, _ = WORKLOADS[name]
+    res = {"requests": [], "errors": []}
+    t0 = time.time()
+    for gi, lens in enumerate(groups):
+        ids = [make_ids(n, seed0 + 1000 * gi + k) for k, n in enumerate(lens)]
+        with ThreadPoolExecutor(len(ids)) as ex:
+            futs = [ex.submit(stream_generate, url, x, max_new) for x in ids]
+            for f in futs:
+                try:
+                    res["requests"].append(f.result())
+                except Exception as exc:
+                    res["errors"].append(repr(exc))
+    res["wall_s"] = time.time() - t0
+    out_tokens = sum(len(r["output_ids"] or []) for r in res["requests"])
+    res["output_tok_s"] = out_tokens / res["wall_s"] if res["wall_s"] else 0.0
+    tpots = [r["tpot_ms"] for r in res["requests"] if "tpot_ms" in r]
+    res["mean_tpot_ms"] = statistics.mean(tpots) if tpots else None
+    return res
+
+
+_RUNNING = re.compile(r"Decode batch.*?#running-req: (\d+)")
+_STEP = re.compile(r"gen throughput \(token/s\): ([\d.]+)")
+
+
+def log_stats(log_path: Path, since: int) -> dict:
+    text = log_path.read_text(errors="ignore")[since:]
+    running = [int(x) for x in _RUNNING.findall(text)]
+    hs = re.findall(r"hisparse[^\n]*(hits|misses)[^\n]*", text, flags=re.I)
+    return {
+        "max_running": max(running) if running else None,
+        "mean_running": statistics.mean(running) if running else None,
+        "hisparse_lines": len(hs),
+        "crashed": "Traceback" in text,
+    }
+
+
+def compare(base: dict, other: dict, margin: float, tol: float) -> dict:
+    """Per-step logprob agreement on confident steps of the common prefix."""
+    checked = bad = 0
+    worst = 0.0
+    for a, b in zip(base["requests"], other["requests"]):
+        ia, ib = a["output_ids"] or [], b["output_ids"] or []
+        for s, (ta, tb) in enumerate(zip(ia, ib)):
+            top2 = a["top2"][s] if s < len(a["top2"]) else []
+            confident = len(top2) == 2 and top2[0] - top2[1] > margin
+            if ta != tb:
+                if confident:
+                    bad += 1  # a real disagreement, not a near tie flipping
+                break
+            if not confident:
+                continue
+            d = abs(a["logprobs"][s] - b["logprobs"][s])
+            worst = max(worst, d)
+            checked += 1
+            bad += d > tol
+    return {"checked_steps": checked, "violations": bad, "max_abs_dlogprob": worst}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=os.environ.get("TINY_DSV32", ".gpu/tiny-dsv32"))
+    ap.add_argument("--configs", default="base,ours")
+    ap.add_argument("--workloads", default="smoke")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--port", type=int, default=30010)
+    ap.add_argument("--margin", type=float, default=0.05)
+    ap.add_argument("--tol", type=float, default=0.05)
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "e2e.json"))
+    ap.add_argument("--logs", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    configs = args.configs.split(",")
+    workloads = args.workloads.split(",")
+    results: dict = {c: {w: [] for w in workloads} for c in configs}
+    # Workloads with their own server flags get their own launches.
+    by_flags: dict[tuple, list[str]] = {}
+    for w in workloads:
+        by_flags.setdefault(tuple(WORKLOADS[w][2]), []).append(w)
+    for rep in range(args.repeats):
+        for flags, ws in by_flags.items():
+            for cfg in configs:
+                log = Path(args.logs) / f"server_{cfg}_{ws[0]}_{rep}.log"
+                srv = Server(args.model, args.port, cfg, list(flags), log)
+                try:
+                    ready = srv.wait_ready()
+                    print(f"[{cfg} rep{rep}] ready in {ready:.0f}s", flush=True)
+                    for w in ws:
+                        mark = log.stat().st_size
+                        r = run_workload(srv.url, w)
+                        r.update(log_stats(log, mark))
+                        results[cfg][w].append(r)
+                        print(f"[{cfg} rep{rep}] {w}: {len(r['requests'])} ok, "
+                              f"{len(r['errors'])} errors, {r['output_tok_s']:.0f} tok/s, "
+                              f"tpot {r['mean_tpot_ms']}, running max {r['max_running']}",
+                              flush=True)
+                except Exception as exc:
+                    print(f"[{cfg} rep{rep}] FAILED: {exc!r}", flush=True)
+                    for w in ws:
+                        results[cfg][w].append({"requests": [], "errors": [repr(exc)],
+                                                **log_stats(log, 0)})
+                finally:
+                    srv.stop()
+    summary = summarize(results, configs, workloads, args.margin, args.tol)
+    Path(args.out).write_text(json.dumps({"summary": summary, "runs": results}, indent=1))
+    return 0 if all(s.get("ok", True) for s in summary) else 1
+
+
+def _med(xs):
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return None, None
+    return statistics.median(xs), (max(xs) - min(xs)) / 2
+
+
+def summarize(results, configs, workloads, margin, tol) -> list[dict]:
+    rows = []
+    print("\nworkload    config  ok/err   out tok/s (median ± half-range)   TPOT ms   running max/mean   exactness vs base")
+    for w in workloads:
+        base_tps = _med([r.get("output_tok_s") for r in results.get("base", {}).get(w, [])])[0]
+        for c in configs:
+            runs = results[c][w]
+            tps, tps_s = _med([r.get("output_tok_s") for r in runs])
+            tpot, tpot_s = _med([r.get("mean_tpot_ms") for r in runs])
+            n_ok = sum(len(r["requests"]) for r in runs)
+            n_err = sum(len(r["errors"]) for r in runs)
+            row = {"workload": w, "config": c, "requests": n_ok, "errors": n_err,
+                   "output_tok_s": tps, "output_tok_s_spread": tps_s,
+                   "tpot_ms": tpot, "tpot_ms_spread": tpot_s,
+                   "max_running": max((r.get("max_running") or 0) for r in runs) if runs else None,
+                   "mean_running": _med([r.get("mean_running") for r in runs])[0]}
+            if base_tps and tps:
+                row["tok_s_vs_base"] = tps / base_tps
+            if c != "base" and "base" in results:
+                cmp = [compare(b, o, margin, tol) for b, o in zip(results["base"][w], runs)]
+                row["exactness"] = {
+                    "checked_steps": sum(x["checked_steps"] for x in cmp),
+                    "violations": sum(x["violations"] for x in cmp),
+                    "max_abs_dlogprob": max((x["max_abs_dlogprob"] for x in cmp), default=None),
+                }
+            rows.append(row)
+            ex = row.get("exactness")
+            print(f"{w:<11} {c:<7} {n_ok:>3}/{n_err:<3}  "
+                  f"{(tps or 0):9.1f} ± {(tps_s or 0):6.1f} (x{row.get('tok_s_vs_base', 0):.2f})   "
+                  f"{(tpot or 0):7.2f} ± {(tpot_s or 0):5.2f}   "
+                  f"{row['max_running']}/{(row['mean_running'] or 0):.1f}   "
+                  + (f"{ex['checked_steps']} steps, {ex['violations']} over {tol}, "
+                     f"max {ex['max_abs_dlogprob']}" if ex else "-"), flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+// Copy-only replay of a swap-in miss plan.
+//
+// Layers that share one indexer see the same top-k, and their hot buffers move
+// in lockstep, so the anchor layer's plan (host row -> device row per miss)
+// is valid for them too: only the bytes need to move. The plan is ragged
+// (miss_count[b] entries in row b), so every block first turns the counts into
+// offsets and then all warps of the grid walk the flattened (request, miss)
+// space. A lone request with a burst of misses therefore still uses every warp.
+#pragma once
+
+#include <sgl_kernel/tensor.h>
+#include <sgl_kernel/utils.cuh>
+#include <sgl_kernel/utils.h>
+
+#include <dlpack/dlpack.h>
+#include <tvm/ffi/container/tensor.h>
+
+#include <cstdint>
+
+#include "kv_rows.cuh"
+
+namespace hisparse_plugin {
+
+inline constexpr int kCopyThreads = 512;
+
+struct CopyPlannedParams {
+  const int64_t* miss_src;
+  const int32_t* miss_dst;
+  const int32_t* miss_count;
+  const int32_t* num_real_reqs;
+  const char* host_kv;
+  char* device_kv;
+  int64_t miss_src_stride;
+  int64_t miss_dst_stride;
+  int64_t host_kv_stride;
+  int64_t device_kv_stride;
+  int32_t bs;
+  int32_t plan_width;
+};
+
+template <int kItemBytes, int kLayout>
+__global__ void __launch_bounds__(kCopyThreads) copy_planned_kernel(const __grid_constant__ CopyPlannedParams p) {
+  using IO = RowIO<kLayout, kItemBytes>;
+  constexpr int kWarps = kCopyThreads / kWarp;
+  extern __shared__ __align__(16) char smem[];
+  int32_t* s_offsets = reinterpret_cast<int32_t*>(smem);  // [bs + 1]
+
+  const int tid = threadIdx.x;
+  const int lane = tid % kWarp;
+  const int warp = tid / kWarp;
+  const int real = max(0, min(p.num_real_reqs[0], p.bs));
+
+  for (int b = tid; b < real; b += kCopyThreads) {
+    s_offsets[b] = max(0, min(p.miss_count[b], p.plan_width));
+  }
+  __syncthreads();
+  if (warp == 0) {
+    // Exclusive scan by one warp; batches are at most a few thousand rows.
+    const int per = (real + kWarp - 1) / kWarp;
+    const int begin = min(lane * per, real);
+    const int end = min(begin + per, real);
+    int32_t own = 0;
+    for (int i = begin; i < end; ++i) own += s_offsets[i];
+    int32_t incl = own;
+#pragma unroll
+    for (int d = 1; d < kWarp; d <<= 1) {
+      const int32_t up = __shfl_up_sync(0xffffffffu, incl, d);
+      if (lane >= d) incl += up;
+    }
+    int32_t run = incl - own;
+    for (int i = begin; i < end; ++i) {
+      const int32_t v = s_offsets[i];
+      s_offsets[i] = run;
+      run += v;
+    }
+    if (lane == kWarp - 1) s_offsets[real] = incl;
+  }
+  __syncthreads();
+
+  const int32_t total = s_offsets[real];
+  const int32_t stride = gridDim.x * kWarps;
+  for (int32_t f = blockIdx.x * kWarps + warp; f < total; f += stride) {
+    // Last row whose first miss is <= f; empty rows share offsets and are skipped.
+    int lo = 0, hi = real - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (s_offsets[mid] <= f) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    const int64_t b = lo;
+    const int64_t m = f - s_offsets[lo];
+    const int64_t src = p.miss_src[b * p.miss_src_stride + m];
+    const int64_t dst = p.miss_dst[b * p.miss_dst_stride + m];
+    typename IO::Staged staged;
+    IO::load(staged, p.host_kv, p.host_kv_stride, src, lane);
+    IO::store(staged, p.device_kv, p.device_kv_stride, dst, lane);
+  }
+}
+
+template <int kItemBytes, int kLayout>
+struct CopyPlanned {
+  static void
+  run(tvm::ffi::TensorView miss_src,
+      tvm::ffi::TensorView miss_dst,
+      tvm::ffi::TensorView miss_count,
+      tvm::ffi::TensorView num_real_reqs,
+      tvm::ffi::TensorView host_kv,
+      tvm::ffi::TensorView device_kv,
+      int64_t num_blocks) {
+    using namespace host;
+    auto BS = SymbolicSize{"batch"};
+    auto PW = SymbolicSize{"plan_width"};
+    auto MS = SymbolicSize{"miss_src.stride(0)"};
+    auto MD = SymbolicSize{"miss_dst.stride(0)"};
+    auto RB = SymbolicSize{"row_bytes"};
+    auto HKS = SymbolicSize{"host_kv.stride(0)"};
+    auto DKS = SymbolicSize{"device_kv.stride(0)"};
+    auto cuda = SymbolicDevice{};
+    cuda.set_options<kDLCUDA>();
+    TensorMatcher({BS, PW}).with_strides({MS, 1}).with_dtype<int64_t>().with_device(cuda).verify(miss_src);
+    TensorMatcher({BS, PW}).with_strides({MD, 1}).with_dtype<int32_t>().with_device(cuda).verify(miss_dst);
+    TensorMatcher({BS}).with_dtype<int32_t>().with_device(cuda).verify(miss_count);
+    TensorMatcher({1}).with_dtype<int32_t>().with_device(cuda).verify(num_real_reqs);
+    TensorMatcher({-1, RB}).with_strides({HKS, 1}).with_dtype<uint8_t>().verify(host_kv);
+    TensorMatcher({-1, RB}).with_strides({DKS, 1}).with_dtype<uint8_t>().with_device(cuda).verify(device_kv);
+    RuntimeCheck(num_blocks >= 1 && num_blocks <= (1 << 20), "num_blocks out of range: ", num_blocks);
+    const int64_t bs = BS.unwrap();
+    RuntimeCheck(bs <= 12000, "copy_planned supports at most 12000 rows, got ", bs);
+    if (bs == 0) return;
+
+    CopyPlannedParams params{};
+    params.miss_src = static_cast<const int64_t*>(miss_src.data_ptr());
+    params.miss_dst = static_cast<const int32_t*>(miss_dst.data_ptr());
+    params.miss_count = static_cast<const int32_t*>(miss_count.data_ptr());
+    params.num_real_reqs = static_cast<const int32_t*>(num_real_reqs.data_ptr());
+    params.host_kv = device_view_of_host(host_kv.data_ptr(), host_kv.device());
+    params.device_kv = static_cast<char*>(device_kv.data_ptr());
+    params.miss_src_stride = MS.unwrap();
+    params.miss_dst_stride = MD.unwrap();
+    params.host_kv_stride = HKS.unwrap();
+    params.device_kv_stride = DKS.unwrap();
+    params.bs = static_cast<int32_t>(bs);
+    params.plan_width = static_cast<int32_t>(PW.unwrap());
+
+    const size_t smem = sizeof(int32_t) * (bs + 1);
+    LaunchKernel(static_cast<uint32_t>(num_blocks), kCopyThreads, cuda.unwrap(), smem)(
+        copy_planned_kernel<kItemBytes, kLayout>, params);
+  }
+};
+
+}  // namespace hisparse_plugin

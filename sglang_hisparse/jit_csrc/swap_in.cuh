@@ -1,0 +1,630 @@
+// HiSparse swap-in: one launch per sparse layer resolves each request's top-k
+// positions against its GPU hot buffer, pulls the misses from pinned host
+// memory into LRU victim slots, and publishes the device row of every
+// selected token in top-k order.
+//
+// The exact semantics (including tie-breaking) are defined by
+// sglang_hisparse/kernels/reference.py; this kernel must agree with it bit for
+// bit. In short, for a request whose sequence no longer fits the buffer:
+//   - a selected position held by LRU slot p is a hit (served in place);
+//   - position seq_len-1 is always served from slot HOT (the newest-token page);
+//   - the other distinct positions, in first-occurrence top-k order, are misses
+//     and take the non-hit slots in LRU order (least recent first);
+//   - new LRU = untouched non-hit slots (old order) + miss slots (assignment
+//     order) + hit slots (old order).
+//
+// Work split. One block per request leaves a lone request with one block's
+// warps of copies in flight: far too few rows to cover the latency of PCIe
+// reads, so the link idles. Here a request gets `gridDim.x` blocks. Every
+// block resolves the request on its own (the inputs are small and L2-resident,
+// so the redundancy costs no latency) and therefore knows the whole plan
+// without waiting for any other block. A miss is copied by the block chosen by
+// where its top-k entry sits (lane + 32 * k, taken modulo the split), which
+// spreads each block's share over all of its warps and lets a warp start
+// reading its first row from host memory as soon as the misses are known,
+// before the ranking that picks the destination. The hot buffer state may be
+// rewritten only after every block has read it, so the last block to arrive
+// at a per-row counter commits it (the counter wraps to zero by itself, which
+// keeps graph replays consistent). No block ever waits for another, so the
+// grid needs no co-residency guarantee.
+//
+// Latency of one call is roughly: two dependent global reads (request index,
+// then the LRU row / slot table / host row indices, all issued together),
+// the shared-memory resolve, then the host reads, which overlap the ranking
+// and the output writes.
+#pragma once
+
+#include <sgl_kernel/tensor.h>
+#include <sgl_kernel/utils.cuh>
+#include <sgl_kernel/utils.h>
+
+#include <dlpack/dlpack.h>
+#include <tvm/ffi/container/tensor.h>
+
+#include <atomic>
+#include <cstdint>
+#include <type_traits>
+
+#include "kv_rows.cuh"
+
+namespace hisparse_plugin {
+
+inline constexpr int32_t kEmptyKey = -1;
+inline constexpr uint32_t kMissTag = 0x80000000u;
+
+// Fibonacci hashing: positions selected by the indexer are often runs of
+// neighbours, and the top bits of the product spread runs evenly.
+template <int kBits>
+SGL_DEVICE uint32_t hash_home(int32_t key) {
+  return (static_cast<uint32_t>(key) * 2654435769u) >> (32 - kBits);
+}
+
+// Exclusive prefix sum of data[0..n) by one warp, in place; returns the total.
+// Each lane owns a contiguous run, so only 5 shuffles are on the critical path.
+SGL_DEVICE int32_t warp_scan_exclusive(int32_t* data, int n, int lane) {
+  const int per = (n + kWarp - 1) / kWarp;
+  const int begin = min(lane * per, n);
+  const int end = min(begin + per, n);
+  int32_t own = 0;
+  for (int i = begin; i < end; ++i) own += data[i];
+  int32_t incl = own;
+#pragma unroll
+  for (int d = 1; d < kWarp; d <<= 1) {
+    const int32_t up = __shfl_up_sync(0xffffffffu, incl, d);
+    if (lane >= d) incl += up;
+  }
+  int32_t run = incl - own;
+  for (int i = begin; i < end; ++i) {
+    const int32_t v = data[i];
+    data[i] = run;
+    run += v;
+  }
+  return __shfl_sync(0xffffffffu, incl, kWarp - 1);
+}
+
+template <typename T>
+SGL_DEVICE int64_t load_index(const void* p, int64_t i) {
+  return static_cast<int64_t>(static_cast<const T*>(p)[i]);
+}
+
+struct SwapInParams {
+  const int32_t* top_k_tokens;
+  int32_t* out_locs;
+  const void* req_pool_indices;
+  const void* seq_lens;
+  const int32_t* num_real_reqs;
+  int32_t* slot_tokens;
+  const int32_t* slot_locs;
+  int16_t* lru;
+  const int64_t* host_locs;
+  const char* host_kv;
+  char* device_kv;
+  int64_t* miss_src;
+  int32_t* miss_dst;
+  int32_t* miss_count;
+  uint32_t* arrivals;
+  int64_t top_k_stride;
+  int64_t out_stride;
+  int64_t slot_tokens_stride;
+  int64_t slot_locs_stride;
+  int64_t lru_stride;
+  int64_t host_locs_stride;
+  int64_t max_ctx;
+  int64_t host_kv_stride;
+  int64_t device_kv_stride;
+  int64_t miss_src_stride;
+  int64_t miss_dst_stride;
+};
+
+template <int kTopK, int kHot>
+struct SwapInSmem {
+  static constexpr int kHashBits = [] {
+    int b = 1;
+    while ((1 << b) < 2 * kTopK) ++b;
+    return b;
+  }();
+  static constexpr int kHashSize = 1 << kHashBits;
+  static constexpr int kBufChunks = (kHot + kWarp - 1) / kWarp;
+  static constexpr int kTopKChunks = (kTopK + kWarp - 1) / kWarp;
+
+  static constexpr size_t kKeys = 0;                                        // int32 [H]
+  static constexpr size_t kVals = kKeys + sizeof(int32_t) * kHashSize;      // int32 [H]
+  static constexpr size_t kResolved = kVals + sizeof(int32_t) * kHashSize;  // uint32 [K]
+  static constexpr size_t kMissTok = kResolved + sizeof(uint32_t) * kTopK;  // int32 [K]
+  static constexpr size_t kBufCnt = kMissTok + sizeof(int32_t) * kTopK;     // int32 [B / 32]
+  static constexpr size_t kMissCnt = kBufCnt + sizeof(int32_t) * kBufChunks;      // int32 [K / 32]
+  static constexpr size_t kScalars = kMissCnt + sizeof(int32_t) * kTopKChunks;    // int32 [4]
+  static constexpr size_t kOrder = kScalars + sizeof(int32_t) * 4;                // int16 [B]
+  static constexpr size_t kSlotOwner = kOrder + sizeof(int16_t) * kHot;           // int16 [B]
+  static constexpr size_t kBytes = kSlotOwner + sizeof(int16_t) * kHot;
+  static_assert(kBytes <= 227 * 1024, "top_k / hot_buffer_size exceed a block's shared memory");
+};
+
+template <
+    int kTopK,
+    int kHot,
+    int kItemBytes,
+    int kLayout,
+    bool kRecordPlan,
+    bool kSkipIO,
+    int kThreads,
+    typename SeqT,
+    typename ReqT>
+__global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_constant__ SwapInParams p) {
+  constexpr int kWarps = kThreads / kWarp;
+  constexpr int kTopKPerThread = (kTopK + kThreads - 1) / kThreads;
+  constexpr int kBufPerThread = (kHot + kThreads - 1) / kThreads;
+  using Smem = SwapInSmem<kTopK, kHot>;
+  using IO = RowIO<kLayout, kItemBytes>;
+  static_assert(kTopK >= 1 && kTopK <= kHot, "top_k must be in [1, hot_buffer_size]");
+  static_assert(kHot <= 32767, "lru slots are int16");
+  static_assert(kThreads % kWarp == 0 && kThreads >= 2 * kWarp && kThreads <= 1024, "bad block size");
+  static_assert(kTopKPerThread <= 32 && kBufPerThread <= 32, "per-thread flags are kept in 32-bit masks");
+
+  const int tid = threadIdx.x;
+  const int lane = tid % kWarp;
+  const int warp = tid / kWarp;
+  const uint32_t lanes_below = (1u << lane) - 1u;
+  const int split = gridDim.x;
+  const int part = blockIdx.x;
+  const int64_t row = blockIdx.y;
+  int32_t* out = p.out_locs + row * p.out_stride;
+
+  // Independent reads first: every later address depends on one of them, so
+  // the chains of dependent loads start together. Top-k entries are striped
+  // (entry j = k * kThreads + tid); this block publishes the outputs of the
+  // 32-entry chunks c with c % split == part, on every path.
+  const int32_t* top_k = p.top_k_tokens + row * p.top_k_stride;
+  int32_t tok[kTopKPerThread];
+#pragma unroll
+  for (int k = 0; k < kTopKPerThread; ++k) {
+    const int j = k * kThreads + tid;
+    tok[k] = j < kTopK ? top_k[j] : -1;
+  }
+  const int32_t num_real = p.num_real_reqs[0];
+  const int64_t req = load_index<ReqT>(p.req_pool_indices, row);
+  const int64_t seq_len = load_index<SeqT>(p.seq_lens, row);
+  auto publishes = [&](int k) { return (k * kWarps + warp) % split == part && k * kThreads + tid < kTopK; };
+
+  // CUDA-graph padding rows: invalid output, no state change.
+  if (row >= num_real) {
+#pragma unroll
+    for (int k = 0; k < kTopKPerThread; ++k) {
+      if (publishes(k)) out[k * kThreads + tid] = -1;
+    }
+    if constexpr (kRecordPlan) {
+      if (part == 0 && tid == 0) p.miss_count[row] = 0;
+    }
+    return;
+  }
+
+  const int64_t limit = seq_len < p.max_ctx ? seq_len : p.max_ctx;  // valid positions: [0, limit)
+  const int32_t* slot_locs = p.slot_locs + req * p.slot_locs_stride;
+
+  // Short sequence: every token sits at slot == position. No IO, no LRU change.
+  if (seq_len <= kHot) {
+#pragma unroll
+    for (int k = 0; k < kTopKPerThread; ++k) {
+      if (publishes(k)) out[k * kThreads + tid] = (tok[k] >= 0 && tok[k] < limit) ? slot_locs[tok[k]] : -1;
+    }
+    if constexpr (kRecordPlan) {
+      if (part == 0 && tid == 0) p.miss_count[row] = 0;
+    }
+    return;
+  }
+
+  extern __shared__ __align__(16) char smem[];
+  int32_t* s_keys = reinterpret_cast<int32_t*>(smem + Smem::kKeys);
+  int32_t* s_vals = reinterpret_cast<int32_t*>(smem + Smem::kVals);
+  // Per owning top-k index: 0 = unresolved, (p + 1) << 16 | slot = hit at
+  // LRU position p, kMissTag | m = miss number m.
+  uint32_t* s_resolved = reinterpret_cast<uint32_t*>(smem + Smem::kResolved);
+  int32_t* s_miss_tok = reinterpret_cast<int32_t*>(smem + Smem::kMissTok);
+  int32_t* s_buf_cnt = reinterpret_cast<int32_t*>(smem + Smem::kBufCnt);
+  int32_t* s_miss_cnt = reinterpret_cast<int32_t*>(smem + Smem::kMissCnt);
+  int32_t* s_scalars = reinterpret_cast<int32_t*>(smem + Smem::kScalars);
+  // Old LRU slots regrouped: [0, E) non-hits in LRU order, [E, HOT) hits in LRU order.
+  int16_t* s_order = reinterpret_cast<int16_t*>(smem + Smem::kOrder);
+  // Per slot: the top-k index owning the position it holds, or -1.
+  int16_t* s_slot_owner = reinterpret_cast<int16_t*>(smem + Smem::kSlotOwner);
+  int32_t& s_evictable = s_scalars[0];
+  int32_t& s_misses = s_scalars[1];
+  int32_t& s_newest_loc = s_scalars[2];
+  int32_t& s_is_last = s_scalars[3];
+
+  const int32_t newest = static_cast<int32_t>(seq_len - 1);
+
+  // ---- Phase A: every global read of the resolve is issued here. The LRU
+  // row and the slot table are read independently (by position and by slot),
+  // so a hit test waits for one memory round trip instead of two.
+  int32_t slot[kBufPerThread];  // LRU position i * kThreads + tid -> slot
+  int32_t held[kBufPerThread];  // slot i * kThreads + tid -> position it holds
+  {
+    const int16_t* lru_in = p.lru + req * p.lru_stride;
+    const int32_t* slot_tokens_in = p.slot_tokens + req * p.slot_tokens_stride;
+#pragma unroll
+    for (int i = 0; i < kBufPerThread; ++i) {
+      const int at = i * kThreads + tid;
+      slot[i] = at < kHot ? static_cast<int32_t>(lru_in[at]) : 0;
+      held[i] = at < kHot ? slot_tokens_in[at] : kEmptyKey;
+    }
+  }
+  int64_t src_row[kTopKPerThread];
+  uint32_t cand_bits = 0;    // valid, not the newest token
+  uint32_t newest_bits = 0;  // valid and the newest token
+  {
+    const int64_t* host_locs = p.host_locs + req * p.host_locs_stride;
+#pragma unroll
+    for (int k = 0; k < kTopKPerThread; ++k) {
+      const bool valid = tok[k] >= 0 && tok[k] < limit;
+      const bool is_newest = valid && tok[k] == newest;
+      cand_bits |= uint32_t(valid && !is_newest) << k;
+      newest_bits |= uint32_t(is_newest) << k;
+      // Only misses need it, but then it is already here when a miss is known.
+      src_row[k] = (valid && !is_newest) ? host_locs[tok[k]] : 0;
+    }
+  }
+  if (tid == 0) s_newest_loc = slot_locs[kHot];
+
+  for (int h = tid; h < Smem::kHashSize; h += kThreads) {
+    s_keys[h] = kEmptyKey;
+    s_vals[h] = INT32_MAX;
+  }
+  for (int j = tid; j < kTopK; j += kThreads) s_resolved[j] = 0;
+  __syncthreads();
+
+  // Hash every candidate; the value converges to the first top-k index that
+  // names the position, which is the occurrence that owns it.
+  int32_t home[kTopKPerThread];
+#pragma unroll
+  for (int k = 0; k < kTopKPerThread; ++k) {
+    home[k] = -1;
+    if (cand_bits >> k & 1u) {
+      uint32_t h = hash_home<Smem::kHashBits>(tok[k]);
+      while (true) {
+        const int32_t prev = atomicCAS(&s_keys[h], kEmptyKey, tok[k]);
+        if (prev == kEmptyKey || prev == tok[k]) break;
+        h = (h + 1) & (Smem::kHashSize - 1);
+      }
+      atomicMin(&s_vals[h], k * kThreads + tid);
+      home[k] = static_cast<int32_t>(h);
+    }
+  }
+  __syncthreads();
+
+  // ---- Phase B1: which slots hold a selected position (by slot) ...
+  int32_t owner[kTopKPerThread];  // owning top-k index of each candidate
+#pragma unroll
+  for (int k = 0; k < kTopKPerThread; ++k) owner[k] = home[k] >= 0 ? s_vals[home[k]] : -1;
+#pragma unroll
+  for (int i = 0; i < kBufPerThread; ++i) {
+    const int s = i * kThreads + tid;
+    if (s >= kHot) continue;
+    int32_t found = -1;
+    if (held[i] >= 0) {
+      uint32_t h = hash_home<Smem::kHashBits>(held[i]);
+      while (true) {
+        const int32_t key = s_keys[h];
+        if (key == held[i]) {
+          found = s_vals[h];
+          break;
+        }
+        if (key == kEmptyKey) break;
+        h = (h + 1) & (Smem::kHashSize - 1);
+      }
+    }
+    s_slot_owner[s] = static_cast<int16_t>(found);
+  }
+  __syncthreads();
+
+  // ... and, walking the LRU order, hits claim their top-k entry.
+  uint32_t hit_bits = 0;
+#pragma unroll
+  for (int i = 0; i < kBufPerThread; ++i) {
+    const int pos = i * kThreads + tid;
+    const int32_t j = pos < kHot ? s_slot_owner[slot[i]] : -1;
+    const bool hit = j >= 0;
+    if (hit) {
+      // If a position were ever held twice, the most recent copy serves it.
+      atomicMax(&s_resolved[j], (uint32_t(pos + 1) << 16) | uint32_t(slot[i]));
+    }
+    hit_bits |= uint32_t(hit) << i;
+    const uint32_t evict_mask = __ballot_sync(0xffffffffu, pos < kHot && !hit);
+    const int chunk = i * kWarps + warp;
+    if (lane == 0 && chunk < Smem::kBufChunks) s_buf_cnt[chunk] = __popc(evict_mask);
+  }
+  __syncthreads();
+
+  // ---- Phase B2: owning candidates that no slot claimed are misses. Which
+  // block copies a miss depends only on where its entry sits, so each warp
+  // can start reading its first row from host memory right away, while the
+  // ranking below (which decides the destination) is still running.
+  uint32_t miss_bits = 0;
+  uint32_t tasks[kTopKPerThread];  // per k: lanes whose miss this warp copies
+#pragma unroll
+  for (int k = 0; k < kTopKPerThread; ++k) {
+    const int j = k * kThreads + tid;
+    const bool miss = (cand_bits >> k & 1u) && owner[k] == j && s_resolved[j] == 0;
+    miss_bits |= uint32_t(miss) << k;
+    const uint32_t mask = __ballot_sync(0xffffffffu, miss);
+    const int chunk = k * kWarps + warp;
+    if (lane == 0 && chunk < Smem::kTopKChunks) s_miss_cnt[chunk] = __popc(mask);
+    tasks[k] = __ballot_sync(0xffffffffu, miss && (lane + kWarp * k) % split == part);
+  }
+
+  // First task of this warp (warp-uniform): read its row now.
+  int first_k = -1;
+  int first_lane = 0;
+  int64_t first_src = 0;
+#pragma unroll
+  for (int k = 0; k < kTopKPerThread; ++k) {
+    if (first_k < 0 && tasks[k] != 0) {
+      first_k = k;
+      first_lane = __ffs(tasks[k]) - 1;
+      tasks[k] &= tasks[k] - 1;
+      first_src = __shfl_sync(0xffffffffu, src_row[k], first_lane);
+    }
+  }
+  typename IO::Staged staged;
+  if constexpr (!kSkipIO) {
+    if (first_k >= 0) IO::load(staged, p.host_kv, p.host_kv_stride, first_src, lane);
+  }
+  __syncthreads();
+
+  // ---- Phase B3: rank non-hit slots (LRU order) and misses (top-k order).
+  if (warp == 0) {
+    const int32_t total = warp_scan_exclusive(s_buf_cnt, Smem::kBufChunks, lane);
+    if (lane == 0) s_evictable = total;
+  } else if (warp == 1) {
+    const int32_t total = warp_scan_exclusive(s_miss_cnt, Smem::kTopKChunks, lane);
+    if (lane == 0) s_misses = total;
+  }
+  __syncthreads();
+
+  const int32_t evictable = s_evictable;
+  // More misses than free slots only happens if the slot table holds a
+  // position twice; the surplus misses resolve to -1 in that case.
+  const int32_t misses = min(s_misses, evictable);
+
+  // ---- Phase B4: place slots and misses at their ranks.
+#pragma unroll
+  for (int i = 0; i < kBufPerThread; ++i) {
+    const int pos = i * kThreads + tid;
+    const bool hit = hit_bits >> i & 1u;
+    const uint32_t evict_mask = __ballot_sync(0xffffffffu, pos < kHot && !hit);
+    if (pos < kHot) {
+      const int32_t before = s_buf_cnt[i * kWarps + warp] + __popc(evict_mask & lanes_below);
+      s_order[hit ? evictable + (pos - before) : before] = static_cast<int16_t>(slot[i]);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kTopKPerThread; ++k) {
+    const bool miss = miss_bits >> k & 1u;
+    const uint32_t mask = __ballot_sync(0xffffffffu, miss);
+    if (miss) {
+      const int32_t m = s_miss_cnt[k * kWarps + warp] + __popc(mask & lanes_below);
+      s_resolved[k * kThreads + tid] = kMissTag | uint32_t(m);
+      if (m < misses) s_miss_tok[m] = tok[k];
+    }
+  }
+  __syncthreads();
+
+  // This block has consumed everything it reads from the slot table and LRU.
+  if (tid == 0) {
+    if (split > 1) {
+      __threadfence();
+      const uint32_t before = atomicInc(&p.arrivals[row], uint32_t(split - 1));
+      s_is_last = before == uint32_t(split - 1);
+      __threadfence();
+    } else {
+      s_is_last = 1;
+    }
+  }
+
+  // ---- Phase C: finish the prefetched row, publishing this block's outputs
+  // while its host read is still in flight; then the remaining copies.
+  auto dst_of = [&](int j) -> int32_t {
+    const int32_t m = static_cast<int32_t>(s_resolved[j] & ~kMissTag);
+    return m < misses ? slot_locs[s_order[m]] : -1;
+  };
+  auto record = [&](int j, int64_t src, int32_t dst) {
+    if constexpr (kRecordPlan) {
+      const int64_t m = s_resolved[j] & ~kMissTag;
+      if (lane == 0 && dst >= 0) {
+        p.miss_src[row * p.miss_src_stride + m] = src;
+        p.miss_dst[row * p.miss_dst_stride + m] = dst;
+      }
+    }
+  };
+  int32_t first_dst = -1;
+  if (first_k >= 0) first_dst = dst_of(first_k * kThreads + warp * kWarp + first_lane);
+
+#pragma unroll
+  for (int k = 0; k < kTopKPerThread; ++k) {
+    if (!publishes(k)) continue;
+    int32_t loc = -1;
+    if (newest_bits >> k & 1u) {
+      loc = s_newest_loc;
+    } else if (cand_bits >> k & 1u) {
+      const uint32_t r = s_resolved[owner[k]];
+      if (r & kMissTag) {
+        const int32_t mm = static_cast<int32_t>(r & ~kMissTag);
+        loc = mm < misses ? slot_locs[s_order[mm]] : -1;
+      } else {
+        loc = slot_locs[r & 0xffffu];
+      }
+    }
+    out[k * kThreads + tid] = loc;
+  }
+  if constexpr (kRecordPlan) {
+    if (part == 0 && tid == 0) p.miss_count[row] = misses;
+  }
+
+  if (first_k >= 0 && first_dst >= 0) {
+    if constexpr (!kSkipIO) IO::store(staged, p.device_kv, p.device_kv_stride, first_dst, lane);
+    record(first_k * kThreads + warp * kWarp + first_lane, first_src, first_dst);
+  }
+#pragma unroll
+  for (int k = 0; k < kTopKPerThread; ++k) {
+    while (tasks[k] != 0) {
+      const int sel = __ffs(tasks[k]) - 1;
+      tasks[k] &= tasks[k] - 1;
+      const int64_t src = __shfl_sync(0xffffffffu, src_row[k], sel);
+      const int j = k * kThreads + warp * kWarp + sel;
+      if constexpr (!kSkipIO) IO::load(staged, p.host_kv, p.host_kv_stride, src, lane);
+      const int32_t dst = dst_of(j);
+      if (dst >= 0) {
+        if constexpr (!kSkipIO) IO::store(staged, p.device_kv, p.device_kv_stride, dst, lane);
+        record(j, src, dst);
+      }
+    }
+  }
+
+  // ---- Phase D: the last block to arrive rewrites the slot table and LRU.
+  __syncthreads();
+  if (s_is_last) {
+    int32_t* slot_tokens_out = p.slot_tokens + req * p.slot_tokens_stride;
+    int16_t* lru_out = p.lru + req * p.lru_stride;
+    const int32_t untouched = evictable - misses;
+    for (int i = tid; i < kHot; i += kThreads) {
+      const int src = i < untouched ? i + misses : (i < evictable ? i - untouched : i);
+      lru_out[i] = s_order[src];
+    }
+    for (int i = tid; i < misses; i += kThreads) slot_tokens_out[s_order[i]] = s_miss_tok[i];
+  }
+}
+
+template <int kTopK, int kHot, int kItemBytes, int kLayout, bool kRecordPlan, bool kSkipIO, int kThreads>
+struct SwapIn {
+  static constexpr size_t kSmemBytes = SwapInSmem<kTopK, kHot>::kBytes;
+
+  template <typename SeqT, typename ReqT>
+  static void launch(const SwapInParams& params, int64_t bs, int64_t split, DLDevice device) {
+    auto kernel = swap_in_kernel<kTopK, kHot, kItemBytes, kLayout, kRecordPlan, kSkipIO, kThreads, SeqT, ReqT>;
+    // Opting in to >48 KiB of dynamic shared memory is per device and per kernel.
+    static std::atomic<uint64_t> opted_in{0};
+    const uint64_t bit = uint64_t(1) << (device.device_id & 63);
+    if (!(opted_in.load(std::memory_order_relaxed) & bit)) {
+      host::RuntimeDeviceCheck(
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmemBytes)));
+      opted_in.fetch_or(bit, std::memory_order_relaxed);
+    }
+    host::LaunchKernel(dim3(static_cast<uint32_t>(split), static_cast<uint32_t>(bs)), kThreads, device, kSmemBytes)(
+        kernel, params);
+  }
+
+  static void
+  run(tvm::ffi::TensorView top_k_tokens,
+      tvm::ffi::TensorView req_pool_indices,
+      tvm::ffi::TensorView seq_lens,
+      tvm::ffi::TensorView num_real_reqs,
+      tvm::ffi::TensorView slot_tokens,
+      tvm::ffi::TensorView slot_locs,
+      tvm::ffi::TensorView lru,
+      tvm::ffi::TensorView host_locs,
+      tvm::ffi::TensorView host_kv,
+      tvm::ffi::TensorView device_kv,
+      tvm::ffi::TensorView top_k_device_locs,
+      tvm::ffi::TensorView miss_src,
+      tvm::ffi::TensorView miss_dst,
+      tvm::ffi::TensorView miss_count,
+      tvm::ffi::TensorView arrivals,
+      int64_t split) {
+    using namespace host;
+    auto BS = SymbolicSize{"batch"};
+    auto R = SymbolicSize{"max_reqs"};
+    auto W = SymbolicSize{"slot_table_width"};
+    auto RS0 = SymbolicSize{"slot_tokens.stride(0)"};
+    auto LS0 = SymbolicSize{"slot_locs.stride(0)"};
+    auto US0 = SymbolicSize{"lru.stride(0)"};
+    auto KS0 = SymbolicSize{"top_k_tokens.stride(0)"};
+    auto OS0 = SymbolicSize{"top_k_device_locs.stride(0)"};
+    auto HS0 = SymbolicSize{"host_locs.stride(0)"};
+    auto CTX = SymbolicSize{"max_ctx"};
+    auto HR = SymbolicSize{"host_rows"};
+    auto DR = SymbolicSize{"device_rows"};
+    auto RB = SymbolicSize{"row_bytes"};
+    auto HKS = SymbolicSize{"host_kv.stride(0)"};
+    auto DKS = SymbolicSize{"device_kv.stride(0)"};
+    auto cuda = SymbolicDevice{};
+    cuda.set_options<kDLCUDA>();
+    auto index_dtype = SymbolicDType{};
+    auto req_dtype = SymbolicDType{};
+
+    TensorMatcher({BS, kTopK}).with_strides({KS0, 1}).with_dtype<int32_t>().with_device(cuda).verify(top_k_tokens);
+    TensorMatcher({BS, kTopK})
+        .with_strides({OS0, 1})
+        .with_dtype<int32_t>()
+        .with_device(cuda)
+        .verify(top_k_device_locs);
+    TensorMatcher({BS}).with_dtype<int32_t, int64_t>(req_dtype).with_device(cuda).verify(req_pool_indices);
+    TensorMatcher({BS}).with_dtype<int32_t, int64_t>(index_dtype).with_device(cuda).verify(seq_lens);
+    TensorMatcher({1}).with_dtype<int32_t>().with_device(cuda).verify(num_real_reqs);
+    TensorMatcher({R, W}).with_strides({RS0, 1}).with_dtype<int32_t>().with_device(cuda).verify(slot_tokens);
+    TensorMatcher({R, W}).with_strides({LS0, 1}).with_dtype<int32_t>().with_device(cuda).verify(slot_locs);
+    TensorMatcher({R, kHot}).with_strides({US0, 1}).with_dtype<int16_t>().with_device(cuda).verify(lru);
+    TensorMatcher({-1, CTX}).with_strides({HS0, 1}).with_dtype<int64_t>().with_device(cuda).verify(host_locs);
+    TensorMatcher({HR, RB}).with_strides({HKS, 1}).with_dtype<uint8_t>().verify(host_kv);
+    TensorMatcher({DR, RB}).with_strides({DKS, 1}).with_dtype<uint8_t>().with_device(cuda).verify(device_kv);
+    TensorMatcher({-1}).with_dtype<uint32_t, int32_t>().with_device(cuda).verify(arrivals);
+    RuntimeCheck(W.unwrap() > kHot, "slot table width must exceed hot_buffer_size (slot HOT holds the newest token)");
+    RuntimeCheck(split >= 1 && split <= 65535, "split must be in [1, 65535], got ", split);
+    const int64_t bs = BS.unwrap();
+    RuntimeCheck(split == 1 || arrivals.size(0) >= bs, "arrivals workspace is smaller than the batch");
+
+    SwapInParams params{};
+    if constexpr (kRecordPlan) {
+      auto MS = SymbolicSize{"miss_src.stride(0)"};
+      auto MD = SymbolicSize{"miss_dst.stride(0)"};
+      auto PW = SymbolicSize{"plan_width"};
+      TensorMatcher({-1, PW}).with_strides({MS, 1}).with_dtype<int64_t>().with_device(cuda).verify(miss_src);
+      TensorMatcher({-1, PW}).with_strides({MD, 1}).with_dtype<int32_t>().with_device(cuda).verify(miss_dst);
+      TensorMatcher({-1}).with_dtype<int32_t>().with_device(cuda).verify(miss_count);
+      RuntimeCheck(miss_src.size(0) >= bs && miss_count.size(0) >= bs, "miss plan has fewer rows than the batch");
+      RuntimeCheck(PW.unwrap() >= kTopK, "miss plan must hold top_k entries per row");
+      params.miss_src = static_cast<int64_t*>(miss_src.data_ptr());
+      params.miss_dst = static_cast<int32_t*>(miss_dst.data_ptr());
+      params.miss_count = static_cast<int32_t*>(miss_count.data_ptr());
+      params.miss_src_stride = MS.unwrap();
+      params.miss_dst_stride = MD.unwrap();
+    }
+    if (bs == 0) return;
+
+    params.top_k_tokens = static_cast<const int32_t*>(top_k_tokens.data_ptr());
+    params.out_locs = static_cast<int32_t*>(top_k_device_locs.data_ptr());
+    params.req_pool_indices = req_pool_indices.data_ptr();
+    params.seq_lens = seq_lens.data_ptr();
+    params.num_real_reqs = static_cast<const int32_t*>(num_real_reqs.data_ptr());
+    params.slot_tokens = static_cast<int32_t*>(slot_tokens.data_ptr());
+    params.slot_locs = static_cast<const int32_t*>(slot_locs.data_ptr());
+    params.lru = static_cast<int16_t*>(lru.data_ptr());
+    params.host_locs = static_cast<const int64_t*>(host_locs.data_ptr());
+    params.host_kv = device_view_of_host(host_kv.data_ptr(), host_kv.device());
+    params.device_kv = static_cast<char*>(device_kv.data_ptr());
+    params.arrivals = static_cast<uint32_t*>(arrivals.data_ptr());
+    params.top_k_stride = KS0.unwrap();
+    params.out_stride = OS0.unwrap();
+    params.slot_tokens_stride = RS0.unwrap();
+    params.slot_locs_stride = LS0.unwrap();
+    params.lru_stride = US0.unwrap();
+    params.host_locs_stride = HS0.unwrap();
+    params.max_ctx = CTX.unwrap();
+    params.host_kv_stride = HKS.unwrap();
+    params.device_kv_stride = DKS.unwrap();
+
+    const DLDevice device = cuda.unwrap();
+    const bool seq64 = index_dtype.is_type<int64_t>();
+    const bool req64 = req_dtype.is_type<int64_t>();
+    if (seq64 && req64) {
+      launch<int64_t, int64_t>(params, bs, split, device);
+    } else if (seq64) {
+      launch<int64_t, int32_t>(params, bs, split, device);
+    } else if (req64) {
+      launch<int32_t, int64_t>(params, bs, split, device);
+    } else {
+      launch<int32_t, int32_t>(params, bs, split, device);
+    }
+  }
+};
+
+}  // namespace hisparse_plugin

@@ -1,0 +1,266 @@
+"""CUDA swap-in kernels against the torch reference, byte for byte (needs a GPU).
+
+Every test draws fresh random inputs (the seed is in each failure message;
+set HISPARSE_TEST_SEED to replay one). For each step the kernel's outputs,
+the device pool (all of it, so stray writes show up), the slot tables, the
+LRU order and the miss plan must equal the reference run on CPU copies, and
+every selected token's device row must hold its host bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from kernel_cases import SwapInCase, check_rows_served, make_case, refresh_top_k
+from sglang_hisparse import kernels
+from sglang_hisparse.kernels import reference as ref
+
+pytestmark = pytest.mark.gpu
+
+PAGE = 64
+
+
+def _seed() -> int:
+    fixed = os.environ.get("HISPARSE_TEST_SEED")
+    return int(fixed) if fixed else random.SystemRandom().randrange(1 << 30)
+
+
+def _plan(bs: int, top_k: int, device) -> dict:
+    return dict(
+        miss_src=torch.full((bs, top_k), -5, dtype=torch.int64, device=device),
+        miss_dst=torch.full((bs, top_k), -5, dtype=torch.int32, device=device),
+        miss_count=torch.full((bs,), -5, dtype=torch.int32, device=device),
+    )
+
+
+def _compare(tag: str, gpu: SwapInCase, want: SwapInCase, gplan=None, wplan=None) -> None:
+    torch.cuda.synchronize()
+    for name in ("out", "slot_tokens", "lru"):
+        got, exp = getattr(gpu, name).cpu(), getattr(want, name)
+        if not torch.equal(got, exp):
+            diff = (got != exp).nonzero()
+            raise AssertionError(
+                f"{tag}: {name} differs at {diff.shape[0]} places, first {diff[:4].tolist()}: "
+                f"got {[got[tuple(i)].item() for i in diff[:4]]}, "
+                f"want {[exp[tuple(i)].item() for i in diff[:4]]}"
+            )
+    kv = gpu.device_kv.cpu()
+    if not torch.equal(kv, want.device_kv):
+        rows = (kv != want.device_kv).any(1).nonzero().squeeze(1)
+        raise AssertionError(f"{tag}: device_kv differs in {rows.numel()} rows, first {rows[:8].tolist()}")
+    if gplan is not None:
+        count = gplan["miss_count"].cpu()
+        assert torch.equal(count, wplan["miss_count"]), f"{tag}: miss_count {count} vs {wplan['miss_count']}"
+        for b, n in enumerate(count.tolist()):
+            for key in ("miss_src", "miss_dst"):
+                got, exp = gplan[key][b, :n].cpu(), wplan[key][b, :n]
+                assert torch.equal(got, exp), f"{tag}: {key}[{b}, :{n}] differs"
+    check_rows_served(gpu)
+
+
+def _step(tag, gpu: SwapInCase, want: SwapInCase, plan: bool = True, **kw):
+    bs, top_k = want.top_k_tokens.shape
+    gplan = _plan(bs, top_k, "cuda") if plan else {}
+    wplan = {k: v.cpu() for k, v in gplan.items()}
+    kernels.swap_in(*gpu.args(), layout=gpu.layout, **gplan, **kw)
+    ref.swap_in(*want.args(), layout=want.layout, **wplan, skip_io=kw.get("skip_io", False))
+    _compare(tag, gpu, want, gplan or None, wplan or None)
+
+
+def _seq_lens(bs: int, hot: int, offset: int, gen: random.Random) -> list[int]:
+    """Shorter than, equal to, just over and far longer than the buffer."""
+    kinds = [
+        lambda: gen.randrange(1, hot),
+        lambda: hot,
+        lambda: hot + 1 + gen.randrange(0, 3),
+        lambda: hot * gen.choice((4, 8)) + gen.randrange(0, hot),
+    ]
+    return [kinds[(b + offset) % 4]() for b in range(bs)]
+
+
+def _item_bytes(bs: int, hot: int, gen: random.Random) -> int:
+    # production row sizes when the pools stay small, odd sizes otherwise
+    if bs * hot <= 64 * 1024:
+        return gen.choice((1152, 656))
+    return gen.choice((80, 72, 100))
+
+
+@pytest.mark.parametrize("mult", [1, 2, 4])
+@pytest.mark.parametrize("top_k", [64, 512, 2048])
+@pytest.mark.parametrize("bs", [1, 5, 17, 64])
+def test_matches_reference(bs, top_k, mult):
+    seed = _seed()
+    gen = random.Random(seed)
+    hot = top_k * mult
+    offsets = range(4) if bs == 1 else range(1)
+    for offset in offsets:
+        lens = _seq_lens(bs, hot, offset + seed, gen)
+        num_real = bs if gen.random() < 0.6 else gen.randrange(0, bs + 1)
+        case = make_case(
+            seq_lens=lens,
+            top_k=top_k,
+            hot=hot,
+            page=PAGE,
+            miss_rate=gen.random(),
+            item_bytes=_item_bytes(bs, hot, gen),
+            num_real=num_real,
+            seed=seed + offset,
+            index_dtype=gen.choice((torch.int32, torch.int64)),
+            req_dtype=gen.choice((torch.int32, torch.int64)),
+            pad_top_k=gen.choice((0, 0, top_k // 8)),
+            duplicates=gen.choice((0, 0, 3)),
+            include_newest=gen.random() < 0.7,
+            empty_slots=gen.choice((0, 0, min(5, hot - top_k))),
+        )
+        gpu, want = case.clone("cuda", pin_host=True), case.clone()
+        tag = f"seed={seed} bs={bs} top_k={top_k} hot={hot} lens={lens[:4]} real={num_real}"
+        for step in range(2):  # the second step starts from the kernel's own state
+            _step(f"{tag} step={step}", gpu, want)
+            refresh_top_k(want, seed=seed + 100 + step, miss_rate=gen.random())
+            gpu.top_k_tokens.copy_(want.top_k_tokens)
+
+
+@pytest.mark.parametrize("layout", ["rows", "dsv4_c4"])
+def test_every_split_gives_the_same_answer(layout):
+    """Blocks per request only change who copies what; also repeats the same
+    input many times to flush out races between blocks of one request."""
+    seed = _seed()
+    base = make_case(
+        seq_lens=[40000, 9000, 4096, 300], top_k=512, hot=1024, page=PAGE, miss_rate=0.6,
+        item_bytes=1152, seed=seed, layout=layout, duplicates=2, pad_top_k=7,
+    )
+    want = base.clone()
+    ref.swap_in(*want.args(), layout=layout)
+    for split in (1, 2, 3, 7, 32, 200):
+        for rep in range(3 if split > 1 else 1):
+            gpu = base.clone("cuda", pin_host=True)
+            kernels.swap_in(*gpu.args(), layout=layout, blocks_per_req=split)
+            _compare(f"seed={seed} layout={layout} split={split} rep={rep}", gpu, want)
+
+
+def test_repeated_runs_are_identical():
+    seed = _seed()
+    base = make_case(seq_lens=[70000] * 3, top_k=2048, hot=4096, page=PAGE, miss_rate=0.5,
+                     item_bytes=1152, seed=seed)
+    want = base.clone()
+    ref.swap_in(*want.args())
+    for rep in range(20):
+        gpu = base.clone("cuda", pin_host=True)
+        kernels.swap_in(*gpu.args())
+        _compare(f"seed={seed} rep={rep}", gpu, want)
+
+
+@pytest.mark.parametrize("block_size", [64, 960, 1024])
+def test_block_size_override(block_size):
+    seed = _seed()
+    case = make_case(seq_lens=[5000, 100, 3000], top_k=256, hot=512, page=PAGE, miss_rate=0.4,
+                     item_bytes=656, seed=seed, duplicates=1)
+    gpu, want = case.clone("cuda", pin_host=True), case.clone()
+    _step(f"seed={seed} block_size={block_size}", gpu, want, block_size=block_size)
+
+
+def test_skip_io_updates_state_only():
+    seed = _seed()
+    case = make_case(seq_lens=[9000, 7000], top_k=512, hot=1024, page=PAGE, miss_rate=0.9,
+                     item_bytes=1152, seed=seed)
+    gpu, want = case.clone("cuda", pin_host=True), case.clone()
+    kv_before = gpu.device_kv.clone()
+    _step(f"seed={seed}", gpu, want, skip_io=True)
+    assert torch.equal(gpu.device_kv, kv_before)
+
+
+def test_strided_pools_and_host_on_device():
+    """Row strides wider than the row (views into wider pools) and a host
+    pool that lives in device memory."""
+    seed = _seed()
+    case = make_case(seq_lens=[6000, 50, 4000], top_k=512, hot=1024, page=PAGE, miss_rate=0.5,
+                     item_bytes=656, seed=seed)
+    want = case.clone()
+    ref.swap_in(*want.args())
+    gpu = case.clone("cuda")
+    wide_host = torch.zeros((case.host_kv.size(0), 656 + 48), dtype=torch.uint8).pin_memory()
+    wide_host[:, :656] = case.host_kv
+    wide_dev = torch.zeros((case.device_kv.size(0), 656 + 16), dtype=torch.uint8, device="cuda")
+    wide_dev[:, :656] = gpu.device_kv
+    gpu.host_kv, gpu.device_kv = wide_host[:, :656], wide_dev[:, :656]
+    kernels.swap_in(*gpu.args())
+    gpu.host_kv = case.host_kv
+    _compare(f"seed={seed} strided", gpu, want)
+    assert torch.count_nonzero(wide_dev[:, 656:]) == 0, "wrote past the row"
+
+    gpu = case.clone("cuda")
+    gpu.host_kv = case.host_kv.cuda()
+    kernels.swap_in(*gpu.args())
+    gpu.host_kv = case.host_kv
+    _compare(f"seed={seed} host-on-device", gpu, want)
+
+
+@pytest.mark.parametrize("layout", ["rows", "dsv4_c4"])
+def test_copy_planned_replays_the_plan(layout):
+    seed = _seed()
+    case = make_case(seq_lens=[20000, 10, 5000, 3000], top_k=512, hot=1024, page=PAGE,
+                     miss_rate=0.7, item_bytes=1152, seed=seed, layout=layout)
+    fresh_host = case.host_kv.clone().pin_memory()
+    fresh_dev = case.device_kv.cuda()
+    gpu = case.clone("cuda", pin_host=True)
+    plan = _plan(4, 512, "cuda")
+    kernels.swap_in(*gpu.args(), layout=layout, **plan)
+    # another layer: same rows, its own pools
+    for num_blocks in (None, 1, 5):
+        dev = fresh_dev.clone()
+        kernels.copy_planned(**plan, num_real_reqs=gpu.num_real_reqs, host_kv=fresh_host,
+                             device_kv=dev, layout=layout, num_blocks=num_blocks)
+        torch.cuda.synchronize()
+        assert torch.equal(dev, gpu.device_kv), f"seed={seed} layout={layout} num_blocks={num_blocks}"
+    # padded rows are not replayed
+    dev = fresh_dev.clone()
+    real = torch.tensor([0], dtype=torch.int32, device="cuda")
+    kernels.copy_planned(**plan, num_real_reqs=real, host_kv=fresh_host, device_kv=dev, layout=layout)
+    torch.cuda.synchronize()
+    assert torch.equal(dev, fresh_dev)
+
+
+def test_cuda_graph_replay_with_changing_real_requests():
+    seed = _seed()
+    gen = random.Random(seed)
+    bs, top_k, hot = 8, 512, 1024
+    lens = [hot * 6, hot // 2, hot * 3, hot + 1, hot * 10, hot, 5000, 7000]
+    case = make_case(seq_lens=lens, top_k=top_k, hot=hot, page=PAGE, miss_rate=0.5,
+                     item_bytes=1152, seed=seed, index_dtype=torch.int32, req_dtype=torch.int32)
+    want = case.clone()
+    gpu = case.clone("cuda", pin_host=True)
+    gplan = _plan(bs, top_k, "cuda")
+
+    # warm up (build, workspace, smem opt-in) on throwaway copies of the state
+    scratch = case.clone("cuda", pin_host=True)
+    kernels.swap_in(*scratch.args(), **_plan(bs, top_k, "cuda"))
+    torch.cuda.synchronize()
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernels.swap_in(*gpu.args(), **gplan)
+
+    for step, real in enumerate([8, 3, 0, 5, 8, 1]):
+        refresh_top_k(want, seed=seed + 7 * step, miss_rate=gen.random())
+        want.num_real_reqs.fill_(real)
+        # padding rows carry garbage the kernel must ignore
+        want.top_k_tokens[real:] = torch.randint(-1, 9000, (bs - real, top_k), dtype=torch.int32)
+        gpu.top_k_tokens.copy_(want.top_k_tokens)
+        gpu.num_real_reqs.fill_(real)
+        wplan = {k: v.cpu().clone() for k, v in gplan.items()}
+        graph.replay()
+        ref.swap_in(*want.args(), **wplan)
+        _compare(f"seed={seed} graph step={step} real={real}", gpu, want, gplan, wplan)
+
+
+def test_selected_dispatches_to_cuda():
+    seed = _seed()
+    case = make_case(seq_lens=[3000, 20], top_k=64, hot=128, page=PAGE, seed=seed)
+    gpu, want = case.clone("cuda", pin_host=True), case.clone()
+    kernels.swap_in_selected(*gpu.args())
+    ref.swap_in(*want.args())
+    _compare(f"seed={seed}", gpu, want)
