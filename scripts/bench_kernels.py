@@ -4,8 +4,10 @@
 One decode-step layer call per point: top_k 2048, hot buffer 4096 (+64
 newest page), seq_len 32768, 1152-byte rows (DSA bf16 MLA), batch
 {1, 8, 32, 64} x miss {0, 13, 40, 100}%. Each timed call starts from the
-same slot tables (restored before it), with L2 flushed, and is replayed from
-a CUDA graph (as in decode) and timed with CUDA events; the median is shown.
+same slot tables (restored before it), with L2 flushed; 16 such rounds are
+replayed from one CUDA graph (as in decode, where every layer's call sits in
+one graph), minus the same rounds without the call, timed with CUDA events;
+the median per call is shown.
 
 Columns: ours, ours with the host copies skipped (resolve cost alone),
 SGLang 0.5.13, SGLang 0.5.23 (with --upstream-0523 DIR), the bytes-moved
@@ -105,34 +107,52 @@ class Timer:
         self.iters, self.warmup = iters, warmup
         self.flush_buf = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
 
-    def median_us(self, fn, restore) -> tuple[float, str]:
-        """Median time of fn() from restored state with a cold L2; replays a
-        CUDA graph of fn when capture works (returns how it ran)."""
+    def median_us(self, fn, restore, per_graph: int = 16) -> tuple[float, str]:
+        """Median device time of one fn() from restored state with a cold L2.
+
+        Decode replays one CUDA graph holding every layer's call back to
+        back, so launch latency is not part of a call's cost: ``per_graph``
+        rounds of [restore, flush L2, fn] are captured in one graph, the same
+        rounds without fn in another, and the difference per round is timed.
+        """
+        def rounds(with_fn: bool):
+            for _ in range(per_graph):
+                restore()
+                self.flush_buf.zero_()
+                if with_fn:
+                    fn()
+
         for _ in range(self.warmup):
             restore()
             fn()
         torch.cuda.synchronize()
-        run, mode = fn, "eager"
         try:
-            graph = torch.cuda.CUDAGraph()
-            restore()
-            with torch.cuda.graph(graph):
-                fn()
+            graphs = []
+            for with_fn in (True, False):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    rounds(with_fn)
+                graphs.append(g)
             torch.cuda.synchronize()
-            run, mode = graph.replay, "graph"
+            mode = "graph"
         except Exception as e:  # noqa: BLE001
             log(f"    (graph capture failed, timing eagerly: {type(e).__name__}: {e})")
-        times = []
-        for _ in range(self.iters):
-            restore()
-            self.flush_buf.zero_()
+            graphs, mode = [lambda: rounds(True), lambda: rounds(False)], "eager"
+            graphs = [type("G", (), {"replay": staticmethod(g)})() for g in graphs]
+
+        def elapsed_us(graph) -> float:
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record()
-            run()
+            graph.replay()
             end.record()
             end.synchronize()
-            times.append(start.elapsed_time(end) * 1000.0)
+            return start.elapsed_time(end) * 1000.0
+
+        times = []
+        for _ in range(self.iters):
+            full, base = elapsed_us(graphs[0]), elapsed_us(graphs[1])
+            times.append((full - base) / per_graph)
         return statistics.median(times), mode
 
 

@@ -37,7 +37,8 @@ def _plan(bs: int, top_k: int, device) -> dict:
     )
 
 
-def _compare(tag: str, gpu: SwapInCase, want: SwapInCase, gplan=None, wplan=None) -> None:
+def _compare(tag: str, gpu: SwapInCase, want: SwapInCase, gplan=None, wplan=None,
+             rows_served: bool = True) -> None:
     torch.cuda.synchronize()
     for name in ("out", "slot_tokens", "lru"):
         got, exp = getattr(gpu, name).cpu(), getattr(want, name)
@@ -59,7 +60,8 @@ def _compare(tag: str, gpu: SwapInCase, want: SwapInCase, gplan=None, wplan=None
             for key in ("miss_src", "miss_dst"):
                 got, exp = gplan[key][b, :n].cpu(), wplan[key][b, :n]
                 assert torch.equal(got, exp), f"{tag}: {key}[{b}, :{n}] differs"
-    check_rows_served(gpu)
+    if rows_served:  # with skip_io the slots are assigned but never filled
+        check_rows_served(gpu)
 
 
 def _step(tag, gpu: SwapInCase, want: SwapInCase, plan: bool = True, **kw):
@@ -68,7 +70,8 @@ def _step(tag, gpu: SwapInCase, want: SwapInCase, plan: bool = True, **kw):
     wplan = {k: v.cpu() for k, v in gplan.items()}
     kernels.swap_in(*gpu.args(), layout=gpu.layout, **gplan, **kw)
     ref.swap_in(*want.args(), layout=want.layout, **wplan, skip_io=kw.get("skip_io", False))
-    _compare(tag, gpu, want, gplan or None, wplan or None)
+    _compare(tag, gpu, want, gplan or None, wplan or None,
+             rows_served=not kw.get("skip_io", False))
 
 
 def _seq_lens(bs: int, hot: int, offset: int, gen: random.Random) -> list[int]:
