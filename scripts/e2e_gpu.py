@@ -188,11 +188,16 @@ _STEP = re.compile(r"gen throughput \(token/s\): ([\d.]+)")
 def log_stats(log_path: Path, since: int) -> dict:
     text = log_path.read_text(errors="ignore")[since:]
     running = [int(x) for x in _RUNNING.findall(text)]
-    hs = re.findall(r"hisparse[^\n]*(hits|misses)[^\n]*", text, flags=re.I)
+    # Cumulative HiSparse counters from our decode log fragment (ours only).
+    misses = [int(x) for x in re.findall(r"#hisparse miss: (\d+)", text)]
+    hit_rate = re.findall(r"hisparse hit rate: ([\d.]+)", text)
+    read_mib = re.findall(r"host read: ([\d.]+) MiB", text)
     return {
         "max_running": max(running) if running else None,
         "mean_running": statistics.mean(running) if running else None,
-        "hisparse_lines": len(hs),
+        "hisparse_misses": misses[-1] if misses else None,
+        "hisparse_hit_rate": float(hit_rate[-1]) if hit_rate else None,
+        "hisparse_host_read_mib": float(read_mib[-1]) if read_mib else None,
         "crashed": "Traceback" in text,
     }
 
@@ -253,7 +258,9 @@ def main() -> int:
                         results[cfg][w].append(r)
                         print(f"[{cfg} rep{rep}] {w}: {len(r['requests'])} ok, "
                               f"{len(r['errors'])} errors, {r['output_tok_s']:.0f} tok/s, "
-                              f"tpot {r['mean_tpot_ms']}, running max {r['max_running']}",
+                              f"tpot {r['mean_tpot_ms']}, running max {r['max_running']}, "
+                              f"hisparse misses {r['hisparse_misses']} (hit rate "
+                              f"{r['hisparse_hit_rate']}, host read {r['hisparse_host_read_mib']} MiB)",
                               flush=True)
                 except Exception as exc:
                     print(f"[{cfg} rep{rep}] FAILED: {exc!r}", flush=True)

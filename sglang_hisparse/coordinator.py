@@ -47,6 +47,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional
 
 import torch
 
+from sglang_hisparse import metrics
 from sglang_hisparse.host_pool import HiSparseC4HostPool, HiSparseMLAHostPool
 
 logger = logging.getLogger(__name__)
@@ -241,6 +242,8 @@ class HiSparseCoordinator:
         self.host_bytes_written = 0
         self.host_bytes_read_staging = 0  # preload (direct admission)
         self.host_wait_events = 0
+
+        metrics.register_coordinator(self)
 
         if hasattr(alloc, "set_reservation_provider"):
             alloc.set_reservation_provider(self._owed_tokens)

@@ -213,6 +213,24 @@ ENTRIES: tuple[Entry, ...] = (
         scope=Scope.DATA_PLANE,
         removal="keep the staging part; the PD part is native from 0.5.22",
     ),
+    Entry(
+        target=(
+            "sglang.srt.managers.scheduler_components.pool_stats_observer."
+            "PoolStats.get_decode_usage_msg_parts"
+        ),
+        kind=Kind.AFTER,
+        sha256={"0.5.13": "30094ce30421695185588626cfdc9a84cce5e029a551e97b98fdc22cce9e818e"},
+        why=(
+            "The decode log line shows only token counts; users need the hit rate, "
+            "misses and host traffic to size the hot buffer. The same reading feeds "
+            "Prometheus counters under --enable-metrics (0.5.13 exports none)."
+        ),
+        native_in=None,
+        impl="sglang_hisparse.metrics:decode_usage_msg_parts",
+        upstream="none: 0.5.23 logs token counts only (pool_stats_observer.py:138-143)",
+        scope=Scope.DATA_PLANE,
+        removal="keep",
+    ),
 )
 
 

@@ -1,0 +1,89 @@
+"""HiSparse counters where SGLang users look: the decode log line and Prometheus.
+
+The coordinator keeps hit/miss counts on the device (no sync on the decode
+path). They are read only when SGLang prints a decode log line (every
+``--decode-log-interval`` steps): an AFTER hook on
+``PoolStats.get_decode_usage_msg_parts`` appends them to the line, and, with
+``--enable-metrics``, the same reading advances Prometheus counters.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+_coordinator_ref = None
+_prometheus = None  # name -> prometheus_client metric, built on first use
+_last: dict[str, float] = {}
+
+# counter name -> (stats key, help); byte counters are cumulative too.
+_COUNTERS = {
+    "sglang:hisparse_topk_hits_total": ("hits", "Selected tokens found in the GPU hot buffer"),
+    "sglang:hisparse_topk_misses_total": ("misses", "Selected tokens copied from host"),
+    "sglang:hisparse_host_read_bytes_total": ("host_bytes_read", "Bytes copied host -> GPU"),
+    "sglang:hisparse_host_written_bytes_total": ("host_bytes_written", "Bytes copied GPU -> host"),
+}
+_GAUGES = {
+    "sglang:hisparse_hot_buffer_occupancy": (
+        "hot_buffer_occupancy", "Allocated share of the running requests' hot buffers"),
+    "sglang:hisparse_staging_reqs": ("staging_reqs", "Requests copying their prefill to host"),
+}
+
+
+def register_coordinator(coordinator) -> None:
+    global _coordinator_ref
+    _coordinator_ref = weakref.ref(coordinator)
+
+
+def current_coordinator():
+    return _coordinator_ref() if _coordinator_ref is not None else None
+
+
+def format_stats(stats: dict) -> list[str]:
+    seen = stats["hits"] + stats["misses"]
+    return [
+        f"hisparse hit rate: {stats['hits'] / seen if seen else 0.0:.3f}",
+        f"#hisparse miss: {stats['misses']}",
+        f"host read: {stats['host_bytes_read'] / 2**20:.1f} MiB",
+        f"host written: {stats['host_bytes_written'] / 2**20:.1f} MiB",
+        f"hot buffer occupancy: {stats['hot_buffer_occupancy']:.2f}",
+    ]
+
+
+def _metrics_enabled() -> bool:
+    try:
+        from sglang.srt.server_args import get_global_server_args
+
+        return bool(get_global_server_args().enable_metrics)
+    except Exception:
+        return False
+
+
+def publish(stats: dict, registry=None) -> None:
+    """Advance the Prometheus counters to ``stats`` (creating them once)."""
+    global _prometheus
+    from prometheus_client import REGISTRY, Counter, Gauge
+
+    if _prometheus is None:
+        reg = registry or REGISTRY
+        _prometheus = {name: Counter(name.removesuffix("_total"), text, registry=reg)
+                       for name, (_, text) in _COUNTERS.items()}
+        _prometheus.update({name: Gauge(name, text, registry=reg, multiprocess_mode="mostrecent")
+                            for name, (_, text) in _GAUGES.items()})
+    for name, (key, _) in _COUNTERS.items():
+        delta = stats[key] - _last.get(key, 0)
+        if delta > 0:
+            _prometheus[name].inc(delta)
+        _last[key] = stats[key]
+    for name, (key, _) in _GAUGES.items():
+        _prometheus[name].set(stats[key])
+
+
+def decode_usage_msg_parts(parts, pool_stats, *args, **kwargs):
+    """AFTER hook on ``PoolStats.get_decode_usage_msg_parts``."""
+    coordinator = current_coordinator()
+    if not getattr(pool_stats, "is_hisparse", False) or coordinator is None:
+        return None
+    stats = coordinator.get_hisparse_stats()
+    if _metrics_enabled():
+        publish(stats)
+    return list(parts) + format_stats(stats)
