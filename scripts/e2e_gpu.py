@@ -235,6 +235,8 @@ def main() -> int:
     ap.add_argument("--tol", type=float, default=0.05)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "e2e.json"))
     ap.add_argument("--logs", default=os.environ.get("OUT", "."))
+    ap.add_argument("--baseline-json", default=None,
+                    help="take the base runs from an earlier e2e JSON instead of launching base")
     args = ap.parse_args()
     configs = args.configs.split(",")
     workloads = args.workloads.split(",")
@@ -269,6 +271,10 @@ def main() -> int:
                                                 **log_stats(log, 0)})
                 finally:
                     srv.stop()
+    if args.baseline_json and "base" not in configs:
+        earlier = json.loads(Path(args.baseline_json).read_text())["runs"]["base"]
+        results["base"] = {w: earlier.get(w, []) for w in workloads}
+        configs = ["base"] + configs
     summary = summarize(results, configs, workloads, args.margin, args.tol)
     Path(args.out).write_text(json.dumps({"summary": summary, "runs": results}, indent=1))
     return 0 if all(s.get("ok", True) for s in summary) else 1

@@ -537,37 +537,12 @@ def copy_planned(
     )
 
 
-def swap_in_selected(
-    top_k_tokens: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    num_real_reqs: torch.Tensor,
-    slot_tokens: torch.Tensor,
-    slot_locs: torch.Tensor,
-    lru: torch.Tensor,
-    host_locs: torch.Tensor,
-    host_kv: torch.Tensor,
-    device_kv: torch.Tensor,
-    out: Optional[torch.Tensor] = None,
-    **kwargs,
-) -> torch.Tensor:
-    """Data-plane entry: the CUDA kernel when ``top_k_tokens`` is on a GPU,
-    else the torch reference (same arguments, same result)."""
+def swap_in_selected(*args, **kwargs) -> torch.Tensor:
+    """Data-plane entry, same arguments as :func:`swap_in`: the CUDA kernel
+    when ``top_k_tokens`` is on a GPU, else the torch reference (same result)."""
+    top_k_tokens = kwargs["top_k_tokens"] if "top_k_tokens" in kwargs else args[0]
     if top_k_tokens.is_cuda:
-        fn = swap_in
-    else:
-        from sglang_hisparse.kernels.reference import swap_in as fn
-    return fn(
-        top_k_tokens,
-        req_pool_indices,
-        seq_lens,
-        num_real_reqs,
-        slot_tokens,
-        slot_locs,
-        lru,
-        host_locs,
-        host_kv,
-        device_kv,
-        out,
-        **kwargs,
-    )
+        return swap_in(*args, **kwargs)
+    from sglang_hisparse.kernels.reference import swap_in as reference_swap_in
+
+    return reference_swap_in(*args, **kwargs)
