@@ -267,7 +267,8 @@ class HiSparseCoordinator:
         P = self.padded_buffer_size
         for idx, req in self._live.items():
             if getattr(req, "hisparse_staging", False):
-                held = self._page_up(req.fill_len)
+                # Rows it still holds from prefill, in this pool's units (C4 rows for V4).
+                held = self._page_up(self.host_token_len(req.fill_len))
             else:
                 held = int(self.req_device_buffer_size[idx])
             phys += max(0, P - held)
@@ -605,8 +606,11 @@ class HiSparseCoordinator:
             del self._live[idx]
         logical = self.req_to_token_pool.req_to_token[idx, : req.fill_len].to(torch.int64)
         if self.is_dsv4_hisparse:
-            logical = self.mem_pool_device.translate_loc_from_full_to_compressed(logical)
-        self.token_to_kv_pool_allocator.free_hisparse(logical)
+            # free_hisparse takes full ids; the C4 rows are keyed by compressed ids.
+            compressed = self.mem_pool_device.translate_loc_from_full_to_compressed(logical)
+            self.token_to_kv_pool_allocator.free_compressed(compressed)
+        else:
+            self.token_to_kv_pool_allocator.free_hisparse(logical)
         self._reset_rows(idx)
         req.hisparse_staging = False
 
