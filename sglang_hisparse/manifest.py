@@ -171,6 +171,27 @@ ENTRIES: tuple[Entry, ...] = (
         removal="keep: admission accounting is not upstream",
     ),
     Entry(
+        target="sglang.srt.mem_cache.hisparse_memory_pool.HiSparseDSATokenToKVPool",
+        kind=Kind.REPLACE,
+        sha256={"0.5.13": "a9821b2028569b6f03269aa8041fd57aba0645f70d40e0fb0913dd5040e640f4"},
+        why=(
+            "The last native HiSparse class on the DSA data path: the GPU pool whose "
+            "latent KV is indexed by physical rows (mapping registered by our "
+            "allocator) while the indexer K cache spans the logical space. Ours "
+            "keeps 0.5.13's buffers and translation exactly (-1 padding stays -1) "
+            "and fails with a clear error when used before a mapping is registered "
+            "or asked for a retraction snapshot."
+        ),
+        native_in=None,
+        impl="sglang_hisparse.device_pool:HiSparseDSADevicePool",
+        upstream=(
+            "0.5.13 srt/mem_cache/hisparse_memory_pool.py:38-132 (the class we "
+            "replace); later releases not re-checked for this entry"
+        ),
+        scope=Scope.DATA_PLANE,
+        removal="keep while the data plane is ours",
+    ),
+    Entry(
         target="sglang.srt.managers.hisparse_coordinator.HiSparseCoordinator",
         kind=Kind.REPLACE,
         sha256={"0.5.13": "3f51fc958a70e5c7f4454e9d48f9c503f963d018b34887423b046dbb4e6b0b8f"},
@@ -230,6 +251,43 @@ ENTRIES: tuple[Entry, ...] = (
         upstream="none: 0.5.23 logs token counts only (pool_stats_observer.py:138-143)",
         scope=Scope.DATA_PLANE,
         removal="keep",
+    ),
+    # --- data plane, DeepSeek-V4 (C4 layers): allocator and C4 device pool.
+    Entry(
+        target="sglang.srt.mem_cache.hisparse_memory_pool.DeepSeekV4HiSparseTokenToKVPoolAllocator",
+        kind=Kind.REPLACE,
+        sha256={"0.5.13": "8f3a6d742c489b80317cecd0140d3136fd215548de4245550698aded197128b8"},
+        why=(
+            "0.5.13's allocator never frees the C4 rows of a request released before "
+            "staging (finished at prefill, aborted, retracted), pins an extra C4 page "
+            "per long hot buffer, has no backup_state/restore_state/"
+            "merge_and_sort_free (base class, None free lists) and no admission "
+            "accounting for hot buffers or host rows. Ours wraps the same SWA "
+            "allocator, frees C4 rows on free(), keeps each hot buffer to exactly "
+            "need_size / c4_page_size pages and shares the DSA allocator's "
+            "reservation logic (in C4 rows)."
+        ),
+        native_in=None,
+        impl="sglang_hisparse.dsv4:DSV4HiSparseAllocator",
+        upstream="0.5.23 srt/mem_cache/allocator/hisparse.py:302-670",
+        scope=Scope.DATA_PLANE,
+        removal="keep while the data plane is ours",
+    ),
+    Entry(
+        target="sglang.srt.mem_cache.deepseek_v4_memory_pool.HiSparseC4DevicePool",
+        kind=Kind.REPLACE,
+        sha256={"0.5.13": "68fa0abfac4eadd75a1ed0f9a66bb365d5179a66ce1644fd7b0e8ca59eaf9655"},
+        why=(
+            "The last native HiSparse class on the DeepSeek-V4 path: the C4 pool "
+            "that translates compressed write locations to hot-buffer rows through "
+            "the mapping our DSV4 allocator registers. Same buffers, data_ptrs and "
+            "translation as 0.5.13; replaced so the whole C4 data plane is ours."
+        ),
+        native_in=None,
+        impl="sglang_hisparse.dsv4:DSV4C4DevicePool",
+        upstream="0.5.23 srt/mem_cache/deepseek_v4_memory_pool.py:437-527",
+        scope=Scope.DATA_PLANE,
+        removal="keep while the data plane is ours",
     ),
 )
 
