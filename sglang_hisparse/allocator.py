@@ -257,15 +257,8 @@ class HiSparseDualAllocator(BaseTokenToKVPoolAllocator):
         self.full_to_hisparse_device_index_mapping[logical] = physical
         return logical
 
-    def alloc_extend(
-        self,
-        prefix_lens: torch.Tensor,
-        prefix_lens_cpu: torch.Tensor,
-        seq_lens: torch.Tensor,
-        seq_lens_cpu: torch.Tensor,
-        last_loc: torch.Tensor,
-        extend_num_tokens: int,
-    ):
+    def alloc_extend(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu,
+                     last_loc, extend_num_tokens: int):
         """Prefill: logical and physical slots for every new token, mapped."""
         ps = self.page_size
         new_pages = int(
@@ -317,15 +310,8 @@ class HiSparseDualAllocator(BaseTokenToKVPoolAllocator):
             return self.logical_attn_allocator.alloc(len(seq_lens_cpu))
         return self.logical_attn_allocator.alloc_decode(seq_lens, seq_lens_cpu, last_loc)
 
-    def alloc_logical_only(
-        self,
-        prefix_lens: torch.Tensor,
-        prefix_lens_cpu: torch.Tensor,
-        seq_lens: torch.Tensor,
-        seq_lens_cpu: torch.Tensor,
-        last_loc: torch.Tensor,
-        extend_num_tokens: int,
-    ):
+    def alloc_logical_only(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu,
+                           last_loc, extend_num_tokens: int):
         """Logical slots without physical rows (PD decode prealloc: KV goes to host)."""
         return self.logical_attn_allocator.alloc_extend(
             prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc,

@@ -431,45 +431,19 @@ class DSV4HiSparseAllocator(BaseTokenToKVPoolAllocator):
         """Release the C4 rows behind full ids (0.5.13 semantics: full ids)."""
         self.free_compressed(self.hisparse_kvcache.translate_loc_from_full_to_compressed(full_indices))
 
-    def free(self, free_index: torch.Tensor):
-        """Full + SWA slots, and the C4 rows still mapped from them.
-
-        A request the coordinator staged had its mapping cleared by
-        ``request_finished``; what is still mapped belongs to a request that
-        finished (or was aborted) before staging.
-        """
-        if free_index.numel() == 0:
-            return
-        if not self.is_not_in_free_group:
-            self.free_group.append(free_index)
-            return
-        if self._prefill_claims:
-            for loc in free_index[free_index % self.page_size == 0].tolist():
-                self._prefill_claims.pop(int(loc), None)
-        self.logical_attn_allocator.free(free_index)
-        self.free_hisparse(free_index)
+    # Full + SWA slots (the SWA allocator frees both), then the C4 rows still
+    # mapped from them: a staged request had its mapping cleared by
+    # request_finished, so what is still mapped belongs to a request released
+    # before staging (finished right after prefill, aborted).
+    free = HiSparseDualAllocator.free
 
     free_group_begin = HiSparseDualAllocator.free_group_begin
     free_group_end = HiSparseDualAllocator.free_group_end
 
-    def clear(self):
-        self.logical_attn_allocator.clear()
-        self.hisparse_attn_allocator.clear()
-        self.full_to_hisparse_device_index_mapping[:-1].fill_(0)
-        self._prefill_claims.clear()
-        self.is_not_in_free_group = True
-        self.free_group = []
-
-    def backup_state(self):
-        return (
-            self.logical_attn_allocator.backup_state(),
-            self.hisparse_attn_allocator.backup_state(),
-        )
-
-    def restore_state(self, state):
-        swa_state, c4_state = state
-        self.logical_attn_allocator.restore_state(swa_state)
-        self.hisparse_attn_allocator.restore_state(c4_state)
+    # Same two-level state as the DSA allocator: (logical side, physical side).
+    clear = HiSparseDualAllocator.clear
+    backup_state = HiSparseDualAllocator.backup_state
+    restore_state = HiSparseDualAllocator.restore_state
 
     def merge_and_sort_free(self):
         for sub in (self.logical_attn_allocator.full_attn_allocator,
