@@ -55,25 +55,10 @@ __global__ void __launch_bounds__(kCopyThreads) copy_planned_kernel(const __grid
   }
   __syncthreads();
   if (warp == 0) {
-    // Exclusive scan by one warp; batches are at most a few thousand rows.
-    const int per = (real + kWarp - 1) / kWarp;
-    const int begin = min(lane * per, real);
-    const int end = min(begin + per, real);
-    int32_t own = 0;
-    for (int i = begin; i < end; ++i) own += s_offsets[i];
-    int32_t incl = own;
-#pragma unroll
-    for (int d = 1; d < kWarp; d <<= 1) {
-      const int32_t up = __shfl_up_sync(0xffffffffu, incl, d);
-      if (lane >= d) incl += up;
-    }
-    int32_t run = incl - own;
-    for (int i = begin; i < end; ++i) {
-      const int32_t v = s_offsets[i];
-      s_offsets[i] = run;
-      run += v;
-    }
-    if (lane == kWarp - 1) s_offsets[real] = incl;
+    // One warp scans the per-request miss counts; batches are at most a few
+    // thousand rows. s_offsets[real] ends as the total.
+    const int32_t total = warp_scan_exclusive(s_offsets, real, lane);
+    if (lane == 0) s_offsets[real] = total;
   }
   __syncthreads();
 

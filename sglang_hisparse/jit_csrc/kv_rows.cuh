@@ -1,4 +1,5 @@
-// KV row layouts and the warp-wide copy used by every HiSparse swap-in kernel.
+// KV row layouts, the warp-wide row copy and the warp scan shared by every
+// HiSparse swap-in kernel.
 //
 // A "row" is one token's KV bytes. The host pool and the device pool share the
 // layout; only their base pointers and strides differ. A warp moves one row:
@@ -164,6 +165,29 @@ inline const char* device_view_of_host(const void* ptr, DLDevice device) {
     return static_cast<const char*>(ptr);
   }
   return static_cast<const char*>(dev);
+}
+
+// Exclusive prefix sum of data[0..n) by one warp, in place; returns the total.
+// Each lane owns a contiguous run, so only 5 shuffles are on the critical path.
+SGL_DEVICE int32_t warp_scan_exclusive(int32_t* data, int n, int lane) {
+  const int per = (n + kWarp - 1) / kWarp;
+  const int begin = min(lane * per, n);
+  const int end = min(begin + per, n);
+  int32_t own = 0;
+  for (int i = begin; i < end; ++i) own += data[i];
+  int32_t incl = own;
+#pragma unroll
+  for (int d = 1; d < kWarp; d <<= 1) {
+    const int32_t up = __shfl_up_sync(0xffffffffu, incl, d);
+    if (lane >= d) incl += up;
+  }
+  int32_t run = incl - own;
+  for (int i = begin; i < end; ++i) {
+    const int32_t v = data[i];
+    data[i] = run;
+    run += v;
+  }
+  return __shfl_sync(0xffffffffu, incl, kWarp - 1);
 }
 
 }  // namespace hisparse_plugin

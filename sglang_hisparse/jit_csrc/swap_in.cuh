@@ -59,29 +59,6 @@ SGL_DEVICE uint32_t hash_home(int32_t key) {
   return (static_cast<uint32_t>(key) * 2654435769u) >> (32 - kBits);
 }
 
-// Exclusive prefix sum of data[0..n) by one warp, in place; returns the total.
-// Each lane owns a contiguous run, so only 5 shuffles are on the critical path.
-SGL_DEVICE int32_t warp_scan_exclusive(int32_t* data, int n, int lane) {
-  const int per = (n + kWarp - 1) / kWarp;
-  const int begin = min(lane * per, n);
-  const int end = min(begin + per, n);
-  int32_t own = 0;
-  for (int i = begin; i < end; ++i) own += data[i];
-  int32_t incl = own;
-#pragma unroll
-  for (int d = 1; d < kWarp; d <<= 1) {
-    const int32_t up = __shfl_up_sync(0xffffffffu, incl, d);
-    if (lane >= d) incl += up;
-  }
-  int32_t run = incl - own;
-  for (int i = begin; i < end; ++i) {
-    const int32_t v = data[i];
-    data[i] = run;
-    run += v;
-  }
-  return __shfl_sync(0xffffffffu, incl, kWarp - 1);
-}
-
 template <typename T>
 SGL_DEVICE int64_t load_index(const void* p, int64_t i) {
   return static_cast<int64_t>(static_cast<const T*>(p)[i]);
