@@ -12,6 +12,8 @@ Configurations:
   native  SGLang 0.5.13's own HiSparse data plane with only our argument
           handling and the decode-crash fix (SGLANG_HISPARSE_NATIVE=1)
   ours    this package's data plane
+  noio    ours with SGLANG_HISPARSE_SKIP_IO=1 (swap-in copies skipped: outputs
+          invalid, timing valid; "ours / noio" is what host IO costs)
   stock   0.5.13 as shipped, plugin not loaded (expected to crash at the
           first decode step)
 
@@ -76,6 +78,8 @@ def server_cmd(model: str, port: int, config: str, extra: list[str]) -> tuple[li
         args += ["--enable-hisparse", "--hisparse-config", json.dumps(HS_CONFIG)]
     if config == "native":
         env["SGLANG_HISPARSE_NATIVE"] = "1"
+    if config == "noio":
+        env["SGLANG_HISPARSE_SKIP_IO"] = "1"
     if config == "stock":
         # SGLang's own whitelist: every plugin but ours (test weights stay).
         from importlib.metadata import entry_points
@@ -305,7 +309,7 @@ def summarize(results, configs, workloads, margin, tol) -> list[dict]:
                    "mean_running": _med([r.get("mean_running") for r in runs])[0]}
             if base_tps and tps:
                 row["tok_s_vs_base"] = tps / base_tps
-            if c != "base" and "base" in results:
+            if c not in ("base", "noio") and "base" in results:
                 cmp = [compare(b, o, margin, tol) for b, o in zip(results["base"][w], runs)]
                 row["exactness"] = {
                     "checked_steps": sum(x["checked_steps"] for x in cmp),

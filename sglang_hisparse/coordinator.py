@@ -42,6 +42,7 @@ in 0.5.13:
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Callable, Dict, List, NamedTuple, Optional
 
@@ -51,6 +52,11 @@ from sglang_hisparse import metrics
 from sglang_hisparse.host_pool import HiSparseC4HostPool, HiSparseMLAHostPool
 
 logger = logging.getLogger(__name__)
+
+# Timing probe: the swap-in resolves and publishes slots but skips its
+# host->device copies, so outputs are wrong while step times show what the
+# copies cost (ours with IO vs ours without, same run).
+SKIP_IO_ENV = "SGLANG_HISPARSE_SKIP_IO"
 
 
 class HiSparseTokenStats(NamedTuple):
@@ -164,6 +170,10 @@ class HiSparseCoordinator:
         self.is_dsv4_hisparse = self.compress_ratio != 1
         self._swap_in_fn = swap_in_fn
         self.swap_in_block_size = swap_in_block_size or _configured_swap_in_block_size()
+        self.skip_io = os.environ.get(SKIP_IO_ENV) == "1"
+        if self.skip_io:
+            logger.warning("%s=1: swap-in host copies are skipped; outputs are invalid "
+                           "(for timing only)", SKIP_IO_ENV)
 
         if self.is_dsv4_hisparse:
             # 0.5.13 DeepSeekV4HiSparseTokenToKVPoolAllocator: C4 physical pool.
@@ -550,6 +560,8 @@ class HiSparseCoordinator:
         out = self.top_k_device_locs_buffer[:bs]
         fn = self._swap_in_fn or _swap_in_kernel()
         extra = {} if self.swap_in_block_size is None else {"block_size": self.swap_in_block_size}
+        if self.skip_io:
+            extra["skip_io"] = True
         fn(
             top_k_tokens=top_k_result,
             slot_tokens=self.req_device_buffer_tokens[layer_id],

@@ -141,6 +141,25 @@ def test_decode_write_through_growth_and_swap_in():
     assert env.drained()
 
 
+def test_skip_io_switch_resolves_without_copies(monkeypatch):
+    monkeypatch.setenv("SGLANG_HISPARSE_SKIP_IO", "1")
+    env = Env()
+    assert env.coord.skip_io
+    a = env.staged("a", 300)
+    env.coord.collect_ready_reqs()
+    rpi, seq = env.decode([a])
+    topk = torch.full((1, TOPK), -1, dtype=torch.int32)
+    topk[0, :2] = torch.tensor([5, 250], dtype=torch.int32)  # hit, miss
+    env.coord.num_real_reqs.fill_(1)
+    kv_before = env.pool.kv_buffer[0].clone()
+    out = env.coord.swap_in_selected_pages(rpi, seq, topk, 0)
+    assert bool((out[0, :2] >= 0).all())  # slots are still published
+    assert torch.equal(env.pool.kv_buffer[0], kv_before)  # but nothing was copied
+    assert env.coord.get_hisparse_stats()["misses"] == 1
+    env.finish(a)
+    assert env.drained()
+
+
 def test_short_request_grows_to_padded_buffer():
     env = Env()
     r = env.staged("r", HOT - PS - 2)
