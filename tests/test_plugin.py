@@ -73,6 +73,52 @@ def test_patched_decode_batch_sets_cpu_indices():
     assert res["module"] == "sglang.srt.managers.scheduler"
 
 
+def test_patched_decode_batch_sets_cpu_indices_when_called():
+    # The real patched function on real pools, Reqs and FutureMap; only the
+    # Scheduler (which needs a GPU to build) is a namespace of its attributes.
+    proc = run_python(
+        """
+        import json, sys, types
+        sys.path.insert(0, "tests")
+        import torch
+        from sglang_hisparse.plugin import activate
+        assert activate().applied
+        from dataplane_fixtures import dsa_pool, make_req, prefill, req_pool
+        import sglang.srt.server_args as sa
+        from sglang.srt.managers.scheduler import Scheduler
+        from sglang.srt.managers.overlap_utils import FutureMap
+        from sglang.srt.mem_cache.hisparse_memory_pool import HiSparseTokenToKVPoolAllocator
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+        sa.set_global_server_args_for_scheduler(sa.ServerArgs(model_path="dummy"))
+        pool, r2t = dsa_pool(1024), req_pool(8, 2048)
+        alloc = HiSparseTokenToKVPoolAllocator(1024, 64, torch.bfloat16, "cpu", pool, False, 2)
+        reqs = []
+        for i, n in enumerate((300, 70)):
+            r = make_req(f"r{i}", n)
+            prefill(r2t, alloc, r, n)
+            r.output_ids = [7]
+            reqs.append(r)
+        spec = SpeculativeAlgorithm.NONE
+        sched = types.SimpleNamespace(
+            device="cpu", req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc,
+            tree_cache=None, enable_overlap=False, spec_algorithm=spec,
+            model_config=types.SimpleNamespace(vocab_size=1024, is_encoder_decoder=False),
+            future_map=FutureMap(torch.device("cpu"), spec, r2t))
+        patched = Scheduler._build_hisparse_decode_batch
+        fixed = patched(sched, reqs)
+        stock = patched.__wrapped__(sched, reqs)
+        print(json.dumps(dict(
+            fixed=fixed.req_pool_indices_cpu.tolist(),
+            device=fixed.req_pool_indices.tolist(),
+            stock=None if stock.req_pool_indices_cpu is None else "set")))
+        """
+    )
+    res = _last_json(proc)
+    assert res["stock"] is None  # what 0.5.13 leaves for the eager backup to index
+    assert res["fixed"] == res["device"] == [1, 2]
+
+
 def test_sglang_plugins_whitelist_without_us_skips_us():
     proc = run_python(
         """
