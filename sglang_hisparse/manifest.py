@@ -215,7 +215,7 @@ ENTRIES: tuple[Entry, ...] = (
             "host-backed logical space is the limit."
         ),
         native_in="0.5.19",
-        impl="sglang_hisparse.coordinator:model_runner_max_token_pool_size",
+        impl="sglang_hisparse.hooks:model_runner_max_token_pool_size",
         upstream="0.5.23 srt/model_executor/model_runner.py:1516-1524",
         scope=Scope.DATA_PLANE,
         removal="drop on a pin >= 0.5.19 (logical max-req-len is native)",
@@ -229,7 +229,7 @@ ENTRIES: tuple[Entry, ...] = (
             "waiting-queue request and loses aborts of requests still staging."
         ),
         native_in=None,
-        impl="sglang_hisparse.coordinator:scheduler_abort_request",
+        impl="sglang_hisparse.hooks:scheduler_abort_request",
         upstream="0.5.23 srt/managers/scheduler.py:5708-5709 (PD waiting queue only)",
         scope=Scope.DATA_PLANE,
         removal="keep the staging part; the PD part is native from 0.5.22",

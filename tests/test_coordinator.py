@@ -294,7 +294,7 @@ def test_abort_hook_releases_pd_waiting_and_marks_staging():
     from sglang.srt.disaggregation.utils import DisaggregationMode
     from sglang.srt.managers.io_struct import AbortReq
 
-    from sglang_hisparse.coordinator import scheduler_abort_request
+    from sglang_hisparse.hooks import scheduler_abort_request
 
     env = Env()
     pd = make_req("pd-1", 90)
@@ -327,7 +327,7 @@ def test_abort_hook_releases_pd_waiting_and_marks_staging():
 def test_max_token_pool_size_is_logical():
     from types import SimpleNamespace
 
-    from sglang_hisparse.coordinator import model_runner_max_token_pool_size
+    from sglang_hisparse.hooks import model_runner_max_token_pool_size
 
     env = Env()
     mr = SimpleNamespace(enable_hisparse=True, token_to_kv_pool_allocator=env.alloc,
@@ -342,7 +342,8 @@ def test_manifest_entries_check_out():
     from sglang_hisparse.plugin import check_entry
 
     mine = [e for e in ENTRIES if e.impl and e.impl.startswith(("sglang_hisparse.coordinator",
-                                                                 "sglang_hisparse.allocator"))]
+                                                                 "sglang_hisparse.allocator",
+                                                                 "sglang_hisparse.hooks"))]
     assert len(mine) == 4 and all(e.scope is Scope.DATA_PLANE for e in mine)
     for e in mine:
         c = check_entry(e, "0.5.13")

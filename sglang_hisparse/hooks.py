@@ -1,0 +1,53 @@
+"""Method hooks on SGLang's scheduler and model runner for our data plane.
+
+They translate between SGLang objects and the coordinator/allocator; the
+manifest installs them (PROPERTY on ``ModelRunner.max_token_pool_size``,
+AROUND on ``Scheduler.abort_request``).
+"""
+
+from __future__ import annotations
+
+
+def model_runner_max_token_pool_size(self):
+    """PROPERTY getter for ``ModelRunner.max_token_pool_size`` (0.5.13
+    ``model_runner.py:2204``): with HiSparse the longest request is bounded by
+    the host-backed logical space, not the GPU pool (0.5.23 MR:1516-1524).
+    Feeds ``TpModelWorker.max_req_len`` and the PD prefill budget."""
+    alloc = getattr(self, "token_to_kv_pool_allocator", None)
+    if getattr(self, "enable_hisparse", False) and hasattr(alloc, "logical_capacity"):
+        return alloc.logical_capacity
+    if self.is_hybrid_swa:
+        return self.full_max_total_num_tokens
+    return self.max_total_num_tokens
+
+
+def scheduler_abort_request(original, self, recv_req):
+    """AROUND ``Scheduler.abort_request`` (0.5.13 ``scheduler.py:3618``).
+
+    0.5.13 has a "todo hisparse" here and leaks in two cases:
+    * PD decode: a waiting-queue request already holds a hot buffer and host
+      rows (``admit_request_direct``); the original only releases its logical
+      KV. Release the HiSparse side first (0.5.23 S:5708-5709).
+    * Colocated: a request in the staging queue is in no queue the original
+      scans, so the abort is lost and it runs to completion. Mark it
+      ``to_finish`` so it finishes (and is released) on its first decode step.
+    """
+    coord = getattr(self, "hisparse_coordinator", None)
+    if coord is not None and getattr(self, "enable_hisparse", False):
+        def hit(req):
+            return recv_req.abort_all or req.rid.startswith(recv_req.rid)
+
+        from sglang.srt.disaggregation.utils import DisaggregationMode
+
+        if self.disaggregation_mode == DisaggregationMode.DECODE:
+            for req in self.waiting_queue:
+                if hit(req):
+                    coord.request_finished(req)
+        staged = coord.staged_requests()
+        if staged:
+            from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+            for req in staged:
+                if hit(req) and not req.finished():
+                    req.to_finish = FINISH_ABORT()
+    return original(self, recv_req)
