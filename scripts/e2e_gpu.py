@@ -56,7 +56,8 @@ WORKLOADS = {
     "smoke": ([[600], [3000], [9000], [7000, 8500]], 24, []),
     "concurrent": ([[9000] * 16], 32, []),
     "capacity": ([[16000] * 16], 128, ["--max-total-tokens", "40000"]),
-    "lone": ([[16000]], 256, []),
+    # Same server flags as capacity, so both run on one launch per config.
+    "lone": ([[16000]], 256, ["--max-total-tokens", "40000"]),
 }
 
 
@@ -70,6 +71,9 @@ def server_cmd(model: str, port: int, config: str, extra: list[str]) -> tuple[li
         "--disable-piecewise-cuda-graph", "--mem-fraction-static", "0.35",
         "--max-running-requests", "32", "--context-length", "32768",
         "--skip-server-warmup", "--random-seed", "0", "--decode-log-interval", "4",
+        # 16 concurrent requests at most: capturing graphs up to 256 only
+        # lengthens every launch.
+        "--cuda-graph-max-bs", "32",
     ]
     if "--max-total-tokens" not in extra:
         args += ["--max-total-tokens", "131072"]
