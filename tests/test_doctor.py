@@ -84,3 +84,14 @@ def test_plugin_refuses_0_5_15_without_touching_it():
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert '"applied": false' in proc.stdout and '"hooks": 0' in proc.stdout
     assert "sglang-hisparse not activated: sglang 0.5.15 is not supported" in proc.stderr
+
+
+@pytest.mark.jit
+def test_doctor_kernels_warms_every_variant_a_config_needs():
+    proc = _doctor("--kernels", "--kernel-config", '{"top_k": 2048, "device_buffer_size": 4096}')
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    compiled = [line for line in proc.stdout.splitlines() if line.strip().startswith("compiled ")]
+    # plain and plan-recording swap-in (the coordinator records plans), and the replay
+    assert any("record_plan=False" in line for line in compiled)
+    assert any("record_plan=True" in line for line in compiled)
+    assert any("copy_planned(" in line for line in compiled)
