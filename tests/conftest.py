@@ -60,8 +60,3 @@ def run_python(code: str, env: dict | None = None, timeout: int = 300):
         cwd=str(REPO),
     )
     return proc
-
-
-@pytest.fixture
-def python_subprocess():
-    return run_python
