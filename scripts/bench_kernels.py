@@ -57,16 +57,21 @@ def log(msg: str) -> None:
 class World:
     """Pools sized for the largest batch; each point uses the first bs rows."""
 
-    def __init__(self, max_bs: int, seed: int = 0):
+    def __init__(self, max_bs: int, seed: int = 0, host_kv: torch.Tensor | None = None):
+        """``host_kv``: a caller-pinned ``[rows, ITEM]`` uint8 buffer (default:
+        HOST_ROWS random rows from torch's pinned allocator)."""
         gen = torch.Generator().manual_seed(seed)
         self.max_bs = max_bs
         width = HOT + PAGE
-        log(f"allocating: host pool {HOST_ROWS * ITEM / 2**20:.0f} MiB pinned, "
+        if host_kv is None:
+            host_kv = torch.randint(0, 256, (HOST_ROWS, ITEM), dtype=torch.uint8, generator=gen).pin_memory()
+        host_rows = host_kv.shape[0]
+        log(f"allocating: host pool {host_rows * ITEM / 2**20:.0f} MiB pinned, "
             f"device pool {max_bs * width * ITEM / 2**20:.0f} MiB")
-        self.host_kv = torch.randint(0, 256, (HOST_ROWS, ITEM), dtype=torch.uint8, generator=gen).pin_memory()
+        self.host_kv = host_kv
         self.device_kv = torch.empty((max_bs * width, ITEM), dtype=torch.uint8, device="cuda")
         self.slot_locs = torch.randperm(max_bs * width, generator=gen).to(torch.int32).reshape(max_bs, width).cuda()
-        self.host_locs = torch.randint(0, HOST_ROWS, (max_bs, SEQ), generator=gen).cuda()
+        self.host_locs = torch.randint(0, host_rows, (max_bs, SEQ), generator=gen).cuda()
         # resident tokens: a random subset of the older positions; newest at slot HOT
         st = torch.full((max_bs, width), -1, dtype=torch.int32)
         self.resident, self.absent = [], []

@@ -190,12 +190,15 @@ def run_workload(url: str, name: str, seed0: int = 0) -> dict:
 
 
 _RUNNING = re.compile(r"Decode batch.*?#running-req: (\d+)")
-_STEP = re.compile(r"gen throughput \(token/s\): ([\d.]+)")
+_DECODE = re.compile(r"Decode batch.*?#running-req: (\d+).*?gen throughput \(token/s\): ([\d.]+)")
 
 
 def log_stats(log_path: Path, since: int) -> dict:
     text = log_path.read_text(errors="ignore")[since:]
     running = [int(x) for x in _RUNNING.findall(text)]
+    # Server-side decode step time: each decode log line reports tokens/s
+    # over its interval, i.e. running requests / step time.
+    steps = [int(r) * 1000.0 / float(g) for r, g in _DECODE.findall(text) if float(g) > 0]
     # Cumulative HiSparse counters from our decode log fragment (ours only).
     misses = [int(x) for x in re.findall(r"#hisparse miss: (\d+)", text)]
     hit_rate = re.findall(r"hisparse hit rate: ([\d.]+)", text)
@@ -203,6 +206,7 @@ def log_stats(log_path: Path, since: int) -> dict:
     return {
         "max_running": max(running) if running else None,
         "mean_running": statistics.mean(running) if running else None,
+        "decode_step_ms": statistics.median(steps) if steps else None,
         "hisparse_misses": misses[-1] if misses else None,
         "hisparse_hit_rate": float(hit_rate[-1]) if hit_rate else None,
         "hisparse_host_read_mib": float(read_mib[-1]) if read_mib else None,
@@ -237,15 +241,22 @@ def main() -> int:
     ap.add_argument("--model", default=os.environ.get("TINY_DSV32", ".gpu/tiny-dsv32"))
     ap.add_argument("--configs", default="base,ours")
     ap.add_argument("--workloads", default="smoke")
-    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="rounds of launches; each round launches every configuration in turn")
+    ap.add_argument("--inner-repeats", type=int, default=1,
+                    help="runs of each workload per launch (launches cost ~1 min each)")
     ap.add_argument("--port", type=int, default=30010)
     ap.add_argument("--margin", type=float, default=0.05)
     ap.add_argument("--tol", type=float, default=0.05)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "e2e.json"))
     ap.add_argument("--logs", default=os.environ.get("OUT", "."))
+    ap.add_argument("--merge", nargs="+", metavar="JSON",
+                    help="launch nothing: summarize the runs of earlier e2e JSON files together")
     ap.add_argument("--baseline-json", default=None,
                     help="take the base runs from an earlier e2e JSON instead of launching base")
     args = ap.parse_args()
+    if args.merge:
+        return merge(args)
     configs = args.configs.split(",")
     workloads = args.workloads.split(",")
     results: dict = {c: {w: [] for w in workloads} for c in configs}
@@ -261,22 +272,25 @@ def main() -> int:
                 try:
                     ready = srv.wait_ready()
                     print(f"[{cfg} rep{rep}] ready in {ready:.0f}s", flush=True)
-                    for w in ws:
+                    for inner, w in [(i, w) for i in range(args.inner_repeats) for w in ws]:
                         mark = log.stat().st_size
                         r = run_workload(srv.url, w)
                         r.update(log_stats(log, mark))
                         results[cfg][w].append(r)
-                        print(f"[{cfg} rep{rep}] {w}: {len(r['requests'])} ok, "
+                        print(f"[{cfg} rep{rep}.{inner}] {w}: {len(r['requests'])} ok, "
                               f"{len(r['errors'])} errors, {r['output_tok_s']:.0f} tok/s, "
-                              f"tpot {r['mean_tpot_ms']}, running max {r['max_running']}, "
+                              f"tpot {r['mean_tpot_ms']}, step {r['decode_step_ms']} ms, running max {r['max_running']}, "
                               f"hisparse misses {r['hisparse_misses']} (hit rate "
                               f"{r['hisparse_hit_rate']}, host read {r['hisparse_host_read_mib']} MiB)",
                               flush=True)
                 except Exception as exc:
                     print(f"[{cfg} rep{rep}] FAILED: {exc!r}", flush=True)
                     for w in ws:
-                        results[cfg][w].append({"requests": [], "errors": [repr(exc)],
-                                                **log_stats(log, 0)})
+                        done = sum(1 for _ in results[cfg][w])
+                        missing = (rep + 1) * args.inner_repeats - done
+                        for _ in range(max(0, missing)):
+                            results[cfg][w].append({"requests": [], "errors": [repr(exc)],
+                                                    **log_stats(log, 0)})
                 finally:
                     srv.stop()
     if args.baseline_json and "base" not in configs:
@@ -288,6 +302,25 @@ def main() -> int:
     return 0 if all(s.get("ok", True) for s in summary) else 1
 
 
+def merge(args) -> int:
+    """Concatenate the runs of several e2e JSON files (e.g. two rounds of
+    launches made by separate commands) and summarize them as one."""
+    results: dict = {}
+    for path in args.merge:
+        for cfg, by_w in json.loads(Path(path).read_text())["runs"].items():
+            for w, runs in by_w.items():
+                results.setdefault(cfg, {}).setdefault(w, []).extend(runs)
+    order = [c for c in ("base", "native", "ours", "noio", "stock") if c in results]
+    configs = order + [c for c in results if c not in order]
+    workloads = sorted({w for by_w in results.values() for w in by_w})
+    for c in configs:
+        for w in workloads:
+            results[c].setdefault(w, [])
+    summary = summarize(results, configs, workloads, args.margin, args.tol)
+    Path(args.out).write_text(json.dumps({"summary": summary, "runs": results}, indent=1))
+    return 0
+
+
 def _med(xs):
     xs = [x for x in xs if x is not None]
     if not xs:
@@ -297,22 +330,33 @@ def _med(xs):
 
 def summarize(results, configs, workloads, margin, tol) -> list[dict]:
     rows = []
-    print("\nworkload    config  ok/err   out tok/s (median ± half-range)   TPOT ms   running max/mean   exactness vs base")
+    print("\nworkload    config  runs ok/err   out tok/s (median ± half-range)   TPOT ms   "
+          "step ms   running max/mean   exactness vs base")
     for w in workloads:
         base_tps = _med([r.get("output_tok_s") for r in results.get("base", {}).get(w, [])])[0]
+        base_tpot = _med([r.get("mean_tpot_ms") for r in results.get("base", {}).get(w, [])])[0]
+        native_tps = _med([r.get("output_tok_s") for r in results.get("native", {}).get(w, [])])[0]
         for c in configs:
             runs = results[c][w]
             tps, tps_s = _med([r.get("output_tok_s") for r in runs])
             tpot, tpot_s = _med([r.get("mean_tpot_ms") for r in runs])
+            step, step_s = _med([r.get("decode_step_ms") for r in runs])
+            tps_all = [round(r["output_tok_s"], 1) for r in runs if r.get("output_tok_s")]
             n_ok = sum(len(r["requests"]) for r in runs)
             n_err = sum(len(r["errors"]) for r in runs)
             row = {"workload": w, "config": c, "requests": n_ok, "errors": n_err,
                    "output_tok_s": tps, "output_tok_s_spread": tps_s,
                    "tpot_ms": tpot, "tpot_ms_spread": tpot_s,
+                   "decode_step_ms": step, "decode_step_ms_spread": step_s,
+                   "runs": len(runs), "output_tok_s_each": tps_all,
                    "max_running": max((r.get("max_running") or 0) for r in runs) if runs else None,
                    "mean_running": _med([r.get("mean_running") for r in runs])[0]}
             if base_tps and tps:
                 row["tok_s_vs_base"] = tps / base_tps
+            if native_tps and tps:
+                row["tok_s_vs_native"] = tps / native_tps
+            if base_tpot and tpot:
+                row["tpot_vs_base"] = tpot / base_tpot
             if c not in ("base", "noio") and "base" in results:
                 cmp = [compare(b, o, margin, tol) for b, o in zip(results["base"][w], runs)]
                 row["exactness"] = {
@@ -322,9 +366,11 @@ def summarize(results, configs, workloads, margin, tol) -> list[dict]:
                 }
             rows.append(row)
             ex = row.get("exactness")
-            print(f"{w:<11} {c:<7} {n_ok:>3}/{n_err:<3}  "
-                  f"{(tps or 0):9.1f} ± {(tps_s or 0):6.1f} (x{row.get('tok_s_vs_base', 0):.2f})   "
-                  f"{(tpot or 0):7.2f} ± {(tpot_s or 0):5.2f}   "
+            print(f"{w:<11} {c:<7} {len(runs):>4} {n_ok:>3}/{n_err:<3}  "
+                  f"{(tps or 0):9.1f} ± {(tps_s or 0):6.1f} (x{row.get('tok_s_vs_base', 0):.2f} base, "
+                  f"x{row.get('tok_s_vs_native', 0):.2f} native)   "
+                  f"{(tpot or 0):7.2f} ± {(tpot_s or 0):5.2f} (x{row.get('tpot_vs_base', 0):.2f})   "
+                  f"{(step or 0):6.2f} ± {(step_s or 0):4.2f}   "
                   f"{row['max_running']}/{(row['mean_running'] or 0):.1f}   "
                   + (f"{ex['checked_steps']} steps, {ex['violations']} over {tol}, "
                      f"max {ex['max_abs_dlogprob']}" if ex else "-"), flush=True)

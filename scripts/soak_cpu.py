@@ -75,7 +75,7 @@ class LruModel:
 class Sim:
     def __init__(self, seed: int, page_size: int = 64, phys_pages: int = 30, ratio: int = 3,
                  hot: int = 128, top_k: int = 16, layers: int = 2, max_reqs: int = 12,
-                 max_ctx: int = 1400):
+                 max_ctx: int = 1400, residency: bool = True):
         from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool
 
         from sglang_hisparse.allocator import HiSparseDualAllocator
@@ -103,7 +103,8 @@ class Sim:
         host = HiSparseMLAHostPool(self.pool, host_size=(phys * 2.5 * per_token) / 1e9,
                                    page_size=page_size)
         self.coord = HiSparseCoordinator(self.r2t, self.alloc, top_k, hot, "cpu", None, ratio,
-                                         host_pool=host, swap_in_fn=self.ref)
+                                         host_pool=host, swap_in_fn=self.ref,
+                                         residency=residency)
         self.coord.set_cpu_staging_delay(lambda: self.rng.choice([0, 0, 1, 3]))
         self.host = self.coord.mem_pool_host
         self.start = self.snapshot()
@@ -112,7 +113,9 @@ class Sim:
         self.models = {}  # req -> [LruModel per layer]
         self.stats = dict(prefill=0, finish_prefill=0, staged=0, decode_steps=0, finish=0,
                           abort_waiting=0, abort_staging=0, abort_running=0, abort_prefill=0,
-                          retract=0, retract_oom=0, swap_checks=0, host_wait_max=0)
+                          retract=0, retract_oom=0, swap_checks=0, host_wait_max=0,
+                          resident_checks=0)
+        self.was_resident = set()  # requests seen resident (reset their model on demotion)
 
     # ---------------------------------------------------------- bookkeeping
     def snapshot(self):
@@ -160,6 +163,7 @@ class Sim:
         req.req_pool_idx = None
         req.kv_allocated_len = 0
         self.models.pop(req, None)
+        self.was_resident.discard(req)
 
     # ------------------------------------------------------------- actions
     def try_prefill(self):
@@ -284,6 +288,17 @@ class Sim:
         idx = r.req_pool_idx
         tokens = self.coord.req_device_buffer_tokens[layer, idx, : self.hot].tolist()
         lru = self.coord.lru_slots[layer, idx].tolist()
+        if idx in self.coord._resident_rows:
+            if lru != lru_before.tolist():
+                raise Mismatch(f"{r.rid}: a resident request's LRU changed")
+            self.was_resident.add(r)
+            self.stats["resident_checks"] += 1
+            return
+        if r in self.was_resident:
+            # Demoted since: its hot buffer starts over like a staged request's.
+            for mm in self.models[r]:
+                mm.reset_resident(self.hot)
+            self.was_resident.discard(r)
         if s <= self.hot:
             if lru != lru_before.tolist():
                 raise Mismatch(f"{r.rid}: fast path changed the LRU")
@@ -388,9 +403,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--residency", choices=("on", "off"), default="on",
+                    help="resident requests until rows run short (the default) or stage all")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args(argv)
-    sim = Sim(args.seed)
+    sim = Sim(args.seed, residency=args.residency == "on")
     error = None
     try:
         for _ in range(args.steps):
@@ -402,7 +419,8 @@ def main(argv=None) -> int:
     if args.verbose:
         print(f"swap-in: {sim.ref_name}; stats {sim.stats}; {sim.coord.get_hisparse_stats()}")
     verdict = "OK" if ok and error is None else "FAIL"
-    print(f"soak seed={args.seed} steps={args.steps} {verdict}: " + ", ".join(parts)
+    print(f"soak seed={args.seed} steps={args.steps} residency={args.residency} {verdict}: "
+          + ", ".join(parts)
           + (f"; {error}" if error else ""))
     return 0 if verdict == "OK" else 1
 

@@ -112,6 +112,9 @@ class HiSparseDualAllocator(BaseTokenToKVPoolAllocator):
         # Reservation state (tokens). Filled by the coordinator.
         self._reservation_provider: Optional[Callable[[], Tuple[int, int]]] = None
         self._host_pool = None
+        # Residency (coordinator): rows demotion would free, and the demoter.
+        self._reclaimable: Callable[[], int] = lambda: 0
+        self._reclaim: Optional[Callable[[int], int]] = None
         # Physical claim of requests that started prefill but are not staged
         # yet, keyed by the first logical slot of the request.
         self._prefill_claims: Dict[int, int] = {}
@@ -173,6 +176,19 @@ class HiSparseDualAllocator(BaseTokenToKVPoolAllocator):
         """``provider() -> (physical_tokens, host_tokens)`` still owed to live requests."""
         self._reservation_provider = provider
 
+    def set_residency(self, reclaimable: Callable[[], int], reclaim: Callable[[int], int]) -> None:
+        """Resident requests hold rows that demotion gives back: admission may
+        count them (``reclaimable() -> rows``) and allocation takes them
+        (``reclaim(rows) -> rows freed``) when the free rows fall short."""
+        self._reclaimable = reclaimable
+        self._reclaim = reclaim
+
+    def _ensure_physical(self, need: int) -> None:
+        """Demote residents until ``need`` rows are free beyond those owed."""
+        short = need - self.hisparse_attn_allocator.available_size()
+        if short > 0 and self._reclaim is not None:
+            self._reclaim(short)
+
     def attach_host_pool(self, host_pool, hot_claim_tokens: int) -> None:
         self._host_pool = host_pool
         self._hot_claim_tokens = int(hot_claim_tokens)
@@ -208,7 +224,7 @@ class HiSparseDualAllocator(BaseTokenToKVPoolAllocator):
     def available_size(self) -> int:
         return min(
             self.logical_attn_allocator.available_size(),
-            self.hisparse_attn_allocator.available_size(),
+            self.hisparse_attn_allocator.available_size() + self._reclaimable(),
         )
 
     def physical_available_size(self) -> int:
@@ -245,6 +261,7 @@ class HiSparseDualAllocator(BaseTokenToKVPoolAllocator):
                 "HiSparse allocator with page_size > 1 allocates through "
                 "alloc_extend / alloc_decode"
             )
+        self._ensure_physical(need_size)
         if need_size > self.physical_available_size():
             return None
         logical = self.logical_attn_allocator.alloc(need_size)
@@ -266,6 +283,7 @@ class HiSparseDualAllocator(BaseTokenToKVPoolAllocator):
         )
         if new_pages * ps > self.logical_available_size():
             return None
+        self._ensure_physical(new_pages * ps)
         if new_pages * ps > self.physical_available_size():
             return None
         logical = self.logical_attn_allocator.alloc_extend(

@@ -154,3 +154,23 @@ def _reject_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
             raise HiSparseConfigError(f"{FLAG}: key {key!r} is given twice")
         seen[key] = value
     return seen
+
+
+# Environment switches (documented in README): name -> allowed values.
+HOST_ALLOC_MODES = ("cuda_host_alloc", "registered", "registered_thp")
+ENV_SWITCHES = {
+    "SGLANG_HISPARSE_NATIVE": ("0", "1"),
+    "SGLANG_HISPARSE_SKIP_IO": ("0", "1"),
+    "SGLANG_HISPARSE_RESIDENCY": ("0", "1"),
+    "SGLANG_HISPARSE_HOST_ALLOC": HOST_ALLOC_MODES,
+}
+
+
+def env_problems(environ) -> list[str]:
+    """One line per HiSparse environment switch set to a value it does not take."""
+    problems = []
+    for name, allowed in ENV_SWITCHES.items():
+        value = environ.get(name)
+        if value is not None and value not in allowed:
+            problems.append(f"{name}={value!r} is not valid; allowed: {', '.join(allowed)}")
+    return problems

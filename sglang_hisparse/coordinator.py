@@ -3,6 +3,13 @@
 Lifecycle of a request (colocated):
 
 1. prefill writes its KV into physical rows (allocator ``alloc_extend``);
+   with residency on (the default for DSA), the request then simply keeps
+   them: it decodes *resident*, its whole KV on the GPU, new tokens getting
+   rows of their own, no host IO and no swap-in work (the kernel only
+   translates positions). When rows run short (a prefill to admit, a
+   resident to grow) the largest residents are *demoted*: their rows are
+   copied to host in stream order and they continue from step 3, exactly
+   like a staged request. Otherwise:
 2. ``admit_request_into_staging`` copies every prefill row, all layers, to
    host on a side stream (an exhausted host pool parks the request in a
    host-wait list; it is retried, never failed);
@@ -53,6 +60,9 @@ from sglang_hisparse import metrics
 from sglang_hisparse.host_pool import HiSparseC4HostPool, HiSparseMLAHostPool
 
 logger = logging.getLogger(__name__)
+
+# "0" turns residency off: every request is staged to host after prefill.
+RESIDENCY_ENV = "SGLANG_HISPARSE_RESIDENCY"
 
 # Timing probe: the swap-in resolves and publishes slots but skips its
 # host->device copies, so outputs are wrong while step times show what the
@@ -157,6 +167,7 @@ class HiSparseCoordinator:
         host_pool=None,
         swap_in_fn: Optional[Callable] = None,
         swap_in_block_size: Optional[int] = None,
+        residency: Optional[bool] = None,
     ):
         if device_buffer_size < top_k:
             raise ValueError(
@@ -172,6 +183,11 @@ class HiSparseCoordinator:
         self._swap_in_fn = swap_in_fn
         self.swap_in_block_size = swap_in_block_size or _configured_swap_in_block_size()
         self.skip_io = os.environ.get(SKIP_IO_ENV) == "1"
+        # DeepSeek-V4's C4 rows are compressed per page of tokens; residency
+        # is implemented for DSA rows only.
+        if residency is None:
+            residency = os.environ.get(RESIDENCY_ENV, "1") != "0"
+        self.residency = bool(residency) and not self.is_dsv4_hisparse
         if self.skip_io:
             logger.warning("%s=1: swap-in host copies are skipped; outputs are invalid "
                            "(for timing only)", SKIP_IO_ENV)
@@ -230,6 +246,11 @@ class HiSparseCoordinator:
         self.raw_indices_buffer = torch.full((max_reqs, top_k), -1, **i32)
         self.num_real_reqs = torch.zeros(1, **i32)
         self._row_ids = torch.arange(max_reqs, **i32)
+        # Residency: the kernel's per-slot flag, and rows held per resident.
+        self.req_resident = torch.zeros(max_reqs, **i32)
+        self._resident_rows: Dict[int, int] = {}
+        self._ready: List[object] = []  # past prefill, not staged, not yet collected
+        self.demotions = 0
 
         self._streams = _Streams(device)
         self.write_staging_stream = getattr(self._streams, "staging", None)
@@ -259,6 +280,8 @@ class HiSparseCoordinator:
         if hasattr(alloc, "set_reservation_provider"):
             alloc.set_reservation_provider(self._owed_tokens)
             alloc.attach_host_pool(self.mem_pool_host, self.padded_buffer_size)
+            if self.residency:
+                alloc.set_residency(self.reclaimable_rows, self.reclaim_rows)
 
     # ------------------------------------------------------------ helpers
     def _page_up(self, n: int) -> int:
@@ -277,7 +300,9 @@ class HiSparseCoordinator:
         phys = host = 0
         P = self.padded_buffer_size
         for idx, req in self._live.items():
-            if getattr(req, "hisparse_staging", False):
+            if idx in self._resident_rows:
+                held = self._resident_rows[idx]
+            elif getattr(req, "hisparse_staging", False):
                 # Rows it still holds from prefill, in this pool's units (C4 rows for V4).
                 held = self._page_up(self.host_token_len(req.fill_len))
             else:
@@ -313,7 +338,8 @@ class HiSparseCoordinator:
 
     def get_hisparse_stats(self) -> dict:
         """Counters for the decode log line / Prometheus (syncs the device)."""
-        active = [i for i, r in self._live.items() if not getattr(r, "hisparse_staging", False)]
+        active = [i for i, r in self._live.items()
+                  if not getattr(r, "hisparse_staging", False) and i not in self._resident_rows]
         cap = int(self.req_device_buffer_size[active].sum()) if active else 0
         misses = int(self._misses.item())
         return {
@@ -327,6 +353,8 @@ class HiSparseCoordinator:
             "staging_reqs": len(self.ack_staging_queue),
             "host_wait_reqs": len(self._host_wait),
             "host_wait_events": self.host_wait_events,
+            "resident_reqs": len(self._resident_rows),
+            "demotions": self.demotions,
         }
 
     # ------------------------------------------------------------ staging
@@ -338,6 +366,12 @@ class HiSparseCoordinator:
         take = getattr(self.token_to_kv_pool_allocator, "take_prefill_claim", None)
         if take is not None:
             take(int(first))
+        if self.residency:
+            # Keep the prefill rows: decode resident until rows run short.
+            self._resident_rows[idx] = self._page_up(req.fill_len)
+            self.req_resident[idx] = 1
+            self._ready.append(req)
+            return
         if self._host_wait or not self._start_staging(req):
             self._host_wait.append(req)
             self.host_wait_events += 1
@@ -372,17 +406,21 @@ class HiSparseCoordinator:
         return True
 
     def staged_requests(self) -> List[object]:
-        """Requests copying their prefill to host or waiting for host pages."""
-        return [s.req for s in self.ack_staging_queue] + list(self._host_wait)
+        """Requests past prefill that are not in the running batch yet: copying
+        their prefill to host, waiting for host pages, or ready to join."""
+        return [s.req for s in self.ack_staging_queue] + list(self._host_wait) + list(self._ready)
 
     def has_ongoing_staging(self) -> bool:
-        return bool(self.ack_staging_queue or self._host_wait)
+        return bool(self.ack_staging_queue or self._host_wait or self._ready)
 
     def collect_ready_reqs(self) -> List[object]:
+        ready, self._ready = self._ready, []
+        for req in ready:
+            req.hisparse_staging = False
         while self._host_wait and self._start_staging(self._host_wait[0]):
             self._host_wait.pop(0)
         if not self.ack_staging_queue:
-            return []
+            return ready
         done = 0
         for item in self.ack_staging_queue:
             if not item.event.query():
@@ -392,7 +430,6 @@ class HiSparseCoordinator:
             t = torch.tensor(done, dtype=torch.int32)
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.tp_group)
             done = int(t.item())
-        ready = []
         for _ in range(done):
             req = self.ack_staging_queue.pop(0).req
             self.alloc_device_buffer(req)
@@ -455,6 +492,8 @@ class HiSparseCoordinator:
         B = self.device_buffer_size
         grows = []
         for i, (seq, idx) in enumerate(zip(seq_lens_cpu.tolist(), req_pool_indices_cpu.tolist())):
+            if idx in self._resident_rows:
+                continue
             cap = int(self.req_device_buffer_size[idx])
             if seq <= B and seq > cap:
                 grows.append((idx, cap, self._buffer_size_for(seq)))
@@ -482,6 +521,9 @@ class HiSparseCoordinator:
             req_pool_indices_cpu = req_pool_indices.cpu()
         if seq_lens_cpu is None:
             seq_lens_cpu = seq_lens.cpu()
+        if self._resident_rows:
+            self._grow_residents(seq_lens_cpu.tolist(), req_pool_indices_cpu.tolist(),
+                                 out_cache_loc)
         self._eager_backup_previous_token(seq_lens, req_pool_indices, seq_lens_cpu,
                                           req_pool_indices_cpu)
         mapping = self._mapping()
@@ -489,12 +531,125 @@ class HiSparseCoordinator:
             self._map_last_loc_dsv4(seq_lens, out_cache_loc, req_pool_indices)
             return
         self._grow_device_buffers(seq_lens_cpu, req_pool_indices_cpu)
+        if self._resident_rows:
+            # Residents got their own rows above; the rest use the newest slot.
+            keep = [i for i, idx in enumerate(req_pool_indices_cpu.tolist())
+                    if idx not in self._resident_rows]
+            if not keep:
+                return
+            sel = torch.tensor(keep, dtype=torch.int64, device=seq_lens.device)
+            seq_lens, out_cache_loc, req_pool_indices = (
+                seq_lens[sel], out_cache_loc[sel], req_pool_indices[sel])
         pos = (seq_lens - 1).clamp(max=self.device_buffer_size)
         slot_rows = self.req_to_device_buffer[req_pool_indices, pos]
         self.req_device_buffer_token_locs[:, req_pool_indices, self.device_buffer_size] = (
             slot_rows.to(torch.int32)
         )
         mapping[out_cache_loc] = slot_rows
+
+    # ---------------------------------------------------------- residency
+    def reclaimable_rows(self) -> int:
+        """Rows demotion would give back (a demoted request keeps a hot buffer)."""
+        P = self.padded_buffer_size
+        return sum(max(0, rows - P) for rows in self._resident_rows.values())
+
+    def reclaim_rows(self, need: int) -> int:
+        """Demote the largest residents until ``need`` rows are free; returns
+        the rows freed (less than ``need`` when no resident is left to demote)."""
+        freed = 0
+        while freed < need:
+            victim = self._largest_resident()
+            if victim is None:
+                break
+            freed += self._demote(victim, with_new_token=False)
+        return freed
+
+    def _largest_resident(self) -> Optional[int]:
+        P = self.padded_buffer_size
+        best = [(rows, idx) for idx, rows in self._resident_rows.items() if rows > P]
+        return max(best)[1] if best else None
+
+    def _grow_residents(self, seq_list, idx_list, out_cache_loc) -> None:
+        """Give each resident's new token a row: a fresh page when it starts a
+        page, else the next row of its current page. Demote residents when
+        the pool (less what others are owed) cannot supply the pages."""
+        ps = self.page_size
+        alloc = self.token_to_kv_pool_allocator.hisparse_attn_allocator
+        batch = {idx: i for i, idx in enumerate(idx_list) if idx in self._resident_rows}
+        new_page = [idx for idx in batch if (seq_list[batch[idx]] - 1) % ps == 0]
+        P = self.padded_buffer_size
+
+        def short_of_rows() -> bool:
+            # A resident below a hot buffer's size grows into rows held back for it.
+            need = len(new_page) * ps
+            own = sum(min(ps, max(0, P - self._resident_rows[idx])) for idx in new_page)
+            return need > alloc.available_size() + own or need > alloc.raw_available_size()
+
+        while new_page and short_of_rows():
+            victim = self._largest_resident()
+            if victim is None:
+                # None frees rows, but one at a hot buffer's size stops needing
+                # any once demoted (its next token goes to the newest slot).
+                full = [idx for idx in new_page if self._resident_rows[idx] >= P]
+                victim = full[0] if full else None
+            if victim is None:
+                raise RuntimeError(
+                    "HiSparse: no rows for resident growth and nothing to demote; "
+                    "admission accounting was bypassed")
+            self._demote(victim, with_new_token=victim in batch)
+            batch.pop(victim, None)
+            new_page = [idx for idx in new_page if idx != victim]
+        if not batch:
+            return
+        mapping = self._mapping()
+        dev = out_cache_loc.device
+        if new_page:
+            rows = alloc.alloc(len(new_page) * ps)
+            if rows is None:
+                raise RuntimeError("HiSparse: resident growth found fewer free rows than counted")
+            sel = torch.tensor([batch[idx] for idx in new_page], dtype=torch.int64, device=dev)
+            # The page's first row; the rest follow it (the "within" case).
+            mapping[out_cache_loc[sel].to(torch.int64)] = rows.to(mapping.device).view(-1, ps)[:, 0]
+            for idx in new_page:
+                self._resident_rows[idx] += ps
+        fresh = set(new_page)
+        within = [batch[idx] for idx in batch if idx not in fresh]
+        if within:
+            if len(within) == len(idx_list):  # the common case: no index copy
+                loc = out_cache_loc.to(torch.int64)
+            else:
+                sel = torch.tensor(within, dtype=torch.int64, device=dev)
+                loc = out_cache_loc[sel].to(torch.int64)
+            mapping[loc] = mapping[loc - 1] + 1
+
+    def _demote(self, idx: int, with_new_token: bool) -> int:
+        """Copy a resident's KV to host and shrink it to a hot buffer; returns
+        the rows freed. ``with_new_token``: its newest position was just
+        allocated for the step being prepared and has no row yet."""
+        if self._streams.gpu and self.decode_producer_stream is not None:
+            # Order everything below after the in-flight decode step, which may
+            # still write this request's newest row and read its mapping.
+            torch.cuda.current_stream().wait_stream(self.decode_producer_stream)
+        req = self._live[idx]
+        rows_before = self._resident_rows[idx]
+        n = req.kv_allocated_len - (1 if with_new_token else 0)
+        host = self.mem_pool_host.try_alloc_paged_token_slots(
+            self.req_to_host_pool, self.req_to_host_pool_allocated_len, idx, 0, n)
+        if host is None:
+            raise RuntimeError("HiSparse: host pool exhausted while demoting a resident "
+                               "request; admission accounting was bypassed")
+        logical = self.req_to_token_pool.req_to_token[idx, :n].to(torch.int64)
+        physical = self._mapping()[logical]
+        self.mem_pool_host.backup_from_device_all_layer(
+            self.mem_pool_device, host, physical, io_backend="kernel")
+        self.host_bytes_written += n * self.item_size_bytes * self.layer_num
+        del self._resident_rows[idx]
+        self.req_resident[idx] = 0
+        self.alloc_device_buffer(req)
+        self._skip_first_backup[idx] = True  # the copy above covered it
+        req.hisparse_staging = False  # holds a hot buffer now, even if not collected yet
+        self.demotions += 1
+        return rows_before - int(self.req_device_buffer_size[idx])
 
     def _map_last_loc_dsv4(self, seq_lens, out_cache_loc, req_pool_indices) -> None:
         active = seq_lens % self.compress_ratio == 0
@@ -513,6 +668,8 @@ class HiSparseCoordinator:
         cr = self.compress_ratio
         picks, host_rows = [], []
         for i, (seq, idx) in enumerate(zip(seq_lens_cpu.tolist(), req_pool_indices_cpu.tolist())):
+            if idx in self._resident_rows:
+                continue  # nothing goes to host while resident
             if self._skip_first_backup[idx]:
                 self._skip_first_backup[idx] = False
                 continue
@@ -567,6 +724,10 @@ class HiSparseCoordinator:
         extra = {} if self.swap_in_block_size is None else {"block_size": self.swap_in_block_size}
         if self.skip_io:
             extra["skip_io"] = True
+        if self.residency:
+            extra.update(resident=self.req_resident,
+                         req_to_token=self.req_to_token_pool.req_to_token,
+                         token_to_row=self._mapping())
         fn(
             top_k_tokens=top_k_result,
             slot_tokens=self.req_device_buffer_tokens[layer_id],
@@ -603,6 +764,8 @@ class HiSparseCoordinator:
 
     # ------------------------------------------------------------ release
     def _reset_rows(self, idx: int) -> None:
+        self._resident_rows.pop(idx, None)
+        self.req_resident[idx] = 0
         self.req_device_buffer_tokens[:, idx, :] = -1
         self.req_device_buffer_token_locs[:, idx, :] = -1
         self.req_to_device_buffer[idx, :] = 0
@@ -616,9 +779,15 @@ class HiSparseCoordinator:
         """Drop a request that is staging (or waiting for host pages)."""
         self.ack_staging_queue = [s for s in self.ack_staging_queue if s.req is not req]
         self._host_wait = [r for r in self._host_wait if r is not req]
+        self._ready = [r for r in self._ready if r is not req]
+        idx = req.req_pool_idx
+        if idx not in self._resident_rows and int(self.req_device_buffer_size[idx]) > 0:
+            # Demoted while waiting to join the batch: it holds a hot buffer.
+            req.hisparse_staging = False
+            self.request_finished(req)
+            return
         if self._streams.gpu:
             self.write_staging_stream.synchronize()
-        idx = req.req_pool_idx
         if self._live.get(idx) is req:
             del self._live[idx]
         logical = self.req_to_token_pool.req_to_token[idx, : req.fill_len].to(torch.int64)
@@ -646,11 +815,18 @@ class HiSparseCoordinator:
         if getattr(req, "hisparse_staging", False):
             self.abort_staging_request(req)
             return
+        if self._ready:  # finished or retracted before it joined the batch
+            self._ready = [r for r in self._ready if r is not req]
         if self._streams.gpu:
             if self.decode_producer_stream is not None:
                 torch.cuda.current_stream().wait_stream(self.decode_producer_stream)
             self.wait_for_pending_backup()
         del self._live[idx]
+        if idx in self._resident_rows:
+            logical = self.req_to_token_pool.req_to_token[idx, : req.kv_allocated_len]
+            self.token_to_kv_pool_allocator.free_hisparse(logical.to(torch.int64))
+            self._reset_rows(idx)
+            return
         cap = int(self.req_device_buffer_size[idx])
         if cap:
             rows = self.req_to_device_buffer[idx, :cap]
@@ -671,4 +847,5 @@ class HiSparseCoordinator:
             self.decode_backup_stream.synchronize()
         self.ack_staging_queue.clear()
         self._host_wait.clear()
+        self._ready.clear()
         self.mem_pool_host.destroy()

@@ -24,7 +24,9 @@ An exhausted pool never raises from the admission-aware entry point
 ``alloc_paged_token_slots`` keeps 0.5.13's contract (raises) for the PD
 decode prealloc call site (``disaggregation/decode.py:1326``), which the
 allocator's logical budget keeps from overrunning the pool.
-``destroy()`` waits for outstanding copies and unregisters pinned memory.
+Host buffers come from :mod:`sglang_hisparse.host_memory` (how they are
+pinned decides the swap-in kernel's zero-copy read rate);
+``destroy()`` waits for outstanding copies and unpins them.
 """
 
 from __future__ import annotations
@@ -35,12 +37,9 @@ from typing import List, Optional
 
 import torch
 
-from sglang.srt.mem_cache.memory_pool_host import (
-    ALLOC_MEMORY_FUNCS,
-    HostKVCache,
-    MLATokenToKVPoolHost,
-    get_allocator_from_storage,
-)
+from sglang.srt.mem_cache.memory_pool_host import HostKVCache, MLATokenToKVPoolHost
+
+from sglang_hisparse import host_memory
 
 logger = logging.getLogger(__name__)
 
@@ -192,19 +191,14 @@ class PagedHostSlots:
         return []
 
     def destroy(self) -> None:
-        """Drain device copies, then unregister pinned host memory. Idempotent."""
+        """Drain device copies, then unpin host memory. Idempotent."""
         if getattr(self, "_destroyed", False):
             return
         self._destroyed = True
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
-        if not getattr(self, "pin_memory", False) or not torch.cuda.is_available():
-            return
-        cudart = torch.cuda.cudart()
         for buf in self._registered_buffers():
-            rc = cudart.cudaHostUnregister(buf.data_ptr())
-            if int(rc) != 0:
-                logger.warning("cudaHostUnregister failed (rc=%d) for a HiSparse host buffer", int(rc))
+            host_memory.release(buf)
 
 
 class HiSparseMLAHostPool(PagedHostSlots, MLATokenToKVPoolHost):
@@ -237,6 +231,13 @@ class HiSparseMLAHostPool(PagedHostSlots, MLATokenToKVPoolHost):
             else getattr(device_pool, "kv_cache_dim", None),
         )
         self.item_bytes = self.token_stride_size
+
+    def init_kv_buffer(self):
+        # MLATokenToKVPoolHost's layer_first layout, pinned our way.
+        dims = (self.layer_num, self.size, 1, self.kv_cache_dim)
+        self.token_stride_size = self.kv_cache_dim * self.dtype.itemsize
+        self.layout_dim = self.token_stride_size * self.layer_num
+        return host_memory.alloc_pinned(dims, self.dtype, pin=self.pin_memory)
 
     def _registered_buffers(self):
         return [self.kv_buffer]
@@ -318,7 +319,6 @@ class HiSparseC4HostPool(PagedHostSlots, HostKVCache):
         value_bytes: int = C4_VALUE_BYTES,
         scale_bytes: int = C4_SCALE_BYTES,
         pin_memory: Optional[bool] = None,
-        allocator_type: str = "default",
     ):
         # HostKVCache.__init__ sizes itself from an MLA-like device pool; the
         # C4 pool is sized in pages, so the fields are set here instead.
@@ -336,15 +336,13 @@ class HiSparseC4HostPool(PagedHostSlots, HostKVCache):
         gpu = self.device_buffers[0].device if self.device_buffers else torch.device("cpu")
         self.gpu_device = gpu
         self.pin_memory = gpu.type == "cuda" if pin_memory is None else pin_memory
-        self.allocator = get_allocator_from_storage(allocator_type)
         self.size = int(num_host_pages) * page_size
         self.size_per_token = self.page_bytes // page_size
         self.start_layer, self.end_layer = 0, self.layer_num
         self.lock = threading.RLock()
-        alloc_func = ALLOC_MEMORY_FUNCS[str(gpu.type)]
         self.kv_buffer = [
-            alloc_func((int(num_host_pages), self.page_bytes), dtype=torch.uint8,
-                       device="cpu", pin_memory=self.pin_memory, allocator=self.allocator)
+            host_memory.alloc_pinned((int(num_host_pages), self.page_bytes), torch.uint8,
+                                     pin=self.pin_memory)
             for _ in range(self.layer_num)
         ]
         self.clear()

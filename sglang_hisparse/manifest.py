@@ -73,11 +73,23 @@ ENTRIES: tuple[Entry, ...] = (
         why=(
             "0.5.13 builds the staged-to-decode batch without req_pool_indices_cpu; "
             "the first decode step then indexes None in the eager backup "
-            "(TypeError at hisparse_coordinator.py:535) and every request dies."
+            "(TypeError at hisparse_coordinator.py:535) and every request dies. "
+            "With logprobs requested it also sets token_ids_logprobs to each "
+            "request's whole prompt, so every decode step gathers and returns the "
+            "logprob of every prompt token id (about 0.7 ms of scheduler CPU per "
+            "9K-token request per step on the H200, and junk "
+            "output_token_ids_logprobs in every response); ours uses the ids the "
+            "request asked for, as ScheduleBatch.init_new does for other batches."
         ),
-        native_in="0.5.15",
-        upstream="0.5.15 srt/managers/scheduler.py:2572",
-        removal="drop on a pin >= 0.5.15 (the CPU indices are set natively)",
+        native_in=None,
+        upstream=(
+            "req_pool_indices_cpu: native in 0.5.15 srt/managers/scheduler.py:2572; "
+            "token_ids_logprobs: still wrong in 0.5.23 srt/managers/scheduler.py:3870"
+        ),
+        removal=(
+            "on a pin >= 0.5.15 drop the req_pool_indices_cpu hunk; keep the "
+            "token_ids_logprobs hunk until upstream fixes it"
+        ),
     ),
     Entry(
         target=f"{_HISPARSE_HOOK}.validate_hisparse",

@@ -21,11 +21,13 @@ _COUNTERS = {
     "sglang:hisparse_topk_misses_total": ("misses", "Selected tokens copied from host"),
     "sglang:hisparse_host_read_bytes_total": ("host_bytes_read", "Bytes copied host -> GPU"),
     "sglang:hisparse_host_written_bytes_total": ("host_bytes_written", "Bytes copied GPU -> host"),
+    "sglang:hisparse_demotions_total": ("demotions", "Resident requests moved to a hot buffer"),
 }
 _GAUGES = {
     "sglang:hisparse_hot_buffer_occupancy": (
         "hot_buffer_occupancy", "Allocated share of the running requests' hot buffers"),
     "sglang:hisparse_staging_reqs": ("staging_reqs", "Requests copying their prefill to host"),
+    "sglang:hisparse_resident_reqs": ("resident_reqs", "Requests with their whole KV on the GPU"),
 }
 
 
@@ -46,6 +48,8 @@ def format_stats(stats: dict) -> list[str]:
         f"host read: {stats['host_bytes_read'] / 2**20:.1f} MiB",
         f"host written: {stats['host_bytes_written'] / 2**20:.1f} MiB",
         f"hot buffer occupancy: {stats['hot_buffer_occupancy']:.2f}",
+        f"#hisparse resident: {stats['resident_reqs']}",
+        f"#hisparse demoted: {stats['demotions']}",
     ]
 
 

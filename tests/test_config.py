@@ -139,3 +139,29 @@ def test_parser_does_not_import_sglang():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_env_switches_name_the_variable_and_allowed_values():
+    from sglang_hisparse.config import env_problems
+
+    assert env_problems({}) == []
+    assert env_problems({"SGLANG_HISPARSE_RESIDENCY": "0", "PATH": "x"}) == []
+    problems = env_problems({"SGLANG_HISPARSE_HOST_ALLOC": "huge", "SGLANG_HISPARSE_SKIP_IO": "yes"})
+    assert problems == [
+        "SGLANG_HISPARSE_SKIP_IO='yes' is not valid; allowed: 0, 1",
+        "SGLANG_HISPARSE_HOST_ALLOC='huge' is not valid; allowed: cuda_host_alloc, "
+        "registered, registered_thp",
+    ]
+
+
+def test_host_memory_on_cpu_is_plain_and_checks_the_mode(monkeypatch):
+    import torch
+
+    from sglang_hisparse import host_memory
+
+    t = host_memory.alloc_pinned((4, 8), torch.bfloat16)
+    assert t.shape == (4, 8) and t.dtype == torch.bfloat16
+    host_memory.release(t)  # nothing was pinned: a no-op
+    monkeypatch.setenv("SGLANG_HISPARSE_HOST_ALLOC", "bogus")
+    with pytest.raises(ValueError, match="SGLANG_HISPARSE_HOST_ALLOC must be one of cuda_host_alloc"):
+        host_memory.configured_mode()

@@ -246,7 +246,7 @@ def test_coordinator_round_trip_through_pool_writes():
     pool = make_pool()
     r2t = req_pool(8, 2048)
     alloc = HiSparseDualAllocator(PHYS, PS, torch.bfloat16, "cpu", pool, False, RATIO)
-    coord = HiSparseCoordinator(r2t, alloc, TOPK, HOT, "cpu", None, RATIO)
+    coord = HiSparseCoordinator(r2t, alloc, TOPK, HOT, "cpu", None, RATIO, residency=False)
     assert coord.mem_pool_device is pool
 
     req = make_req("a", 300)

@@ -267,3 +267,29 @@ def test_selected_dispatches_to_cuda():
     kernels.swap_in_selected(*gpu.args())
     ref.swap_in(*want.args())
     _compare(f"seed={seed}", gpu, want)
+
+
+def _residency(case: SwapInCase, seed: int, device=None) -> dict:
+    """Mark about half the requests resident, with random position->row maps."""
+    gen = torch.Generator().manual_seed(seed)
+    max_reqs = case.lru.size(0)
+    ctx = case.host_locs.size(1)
+    resident = (torch.rand(max_reqs, generator=gen) < 0.5).to(torch.int32)
+    req_to_token = torch.randint(0, 4 * ctx, (max_reqs, ctx + 3), dtype=torch.int32, generator=gen)
+    token_to_row = torch.randint(0, 1 << 20, (4 * ctx,), dtype=torch.int64, generator=gen)
+    res = dict(resident=resident, req_to_token=req_to_token, token_to_row=token_to_row)
+    return {k: v.to(device) for k, v in res.items()} if device else res
+
+
+@pytest.mark.parametrize("top_k,hot", [(64, 128), (2048, 4096)])
+def test_resident_requests_translate_and_others_resolve(top_k, hot):
+    seed = _seed()
+    lens = [hot * 3, hot // 2, hot * 5 + 7, hot + 1, hot * 2]
+    case = make_case(seq_lens=lens, top_k=top_k, hot=hot, page=PAGE, miss_rate=0.5,
+                     item_bytes=1152, seed=seed, num_real=4)
+    want, gpu = case.clone(), case.clone("cuda", pin_host=True)
+    gplan = _plan(len(lens), top_k, "cuda")
+    wplan = {k: v.cpu() for k, v in gplan.items()}
+    kernels.swap_in(*gpu.args(), **gplan, **_residency(case, seed, "cuda"))
+    ref.swap_in(*want.args(), **wplan, **_residency(case, seed))
+    _compare(f"seed={seed}", gpu, want, gplan, wplan, rows_served=False)

@@ -335,3 +335,44 @@ def test_reference_matches_naive_model(seed):
         assert torch.equal(case.device_kv, want_kv)
         check_rows_served(case)
         want_out, want_st, want_lru, want_kv = naive_swap_in(case)
+
+
+def test_resident_requests_translate_positions_and_leave_state_alone():
+    from kernel_cases import make_case
+
+    case = make_case(seq_lens=[900, 40, 1500], top_k=64, hot=128, page=4, seed=3)
+    plain = case.clone()
+    max_reqs, ctx = case.lru.size(0), case.host_locs.size(1)
+    resident = torch.zeros(max_reqs, dtype=torch.int32)
+    r0 = int(case.req_pool_indices[0])
+    resident[r0] = 1
+    req_to_token = torch.arange(max_reqs * ctx, dtype=torch.int32).reshape(max_reqs, ctx)
+    token_to_row = torch.arange(max_reqs * ctx, dtype=torch.int64) * 10 + 3
+    slot_tokens0, lru0, kv0 = case.slot_tokens.clone(), case.lru.clone(), case.device_kv.clone()
+    count = torch.full((3,), -5, dtype=torch.int32)
+    ref.swap_in(*case.args(), resident=resident, req_to_token=req_to_token,
+                token_to_row=token_to_row, miss_src=torch.zeros((3, 64), dtype=torch.int64),
+                miss_dst=torch.zeros((3, 64), dtype=torch.int32), miss_count=count)
+    ref.swap_in(*plain.args())
+
+    toks = case.top_k_tokens[0].to(torch.int64)
+    valid = (toks >= 0) & (toks < 900)
+    want = torch.where(valid, (r0 * ctx + toks) * 10 + 3, torch.full_like(toks, -1))
+    assert torch.equal(case.out[0].to(torch.int64), want)
+    assert int(count[0]) == 0
+    # the resident request's slot tables, LRU and rows are untouched ...
+    assert torch.equal(case.slot_tokens[r0], slot_tokens0[r0])
+    assert torch.equal(case.lru[r0], lru0[r0])
+    # ... and every other request resolves exactly as without residency
+    assert torch.equal(case.out[1:], plain.out[1:])
+    own_rows = case.slot_locs[r0][case.slot_locs[r0] >= 0].to(torch.int64)
+    assert torch.equal(case.device_kv[own_rows], kv0[own_rows])  # no bytes moved
+    assert not torch.equal(case.out[0], plain.out[0])
+
+
+def test_residency_arguments_come_together():
+    from kernel_cases import make_case
+
+    case = make_case(seq_lens=[300], top_k=16, hot=32, page=4, seed=1)
+    with pytest.raises(ValueError, match="together"):
+        ref.swap_in(*case.args(), resident=torch.zeros(4, dtype=torch.int32))

@@ -7,6 +7,7 @@ from sglang_hisparse import metrics
 STATS = {
     "hits": 300, "misses": 100, "host_bytes_read": 100 * 1152,
     "host_bytes_written": 4 << 20, "hot_buffer_occupancy": 0.5, "staging_reqs": 1,
+    "resident_reqs": 2, "demotions": 3,
 }
 
 
@@ -26,6 +27,7 @@ def test_decode_log_line_gets_the_counters():
     line = ", ".join(parts)
     assert line.startswith("#gpu token: 10, hisparse hit rate: 0.750, #hisparse miss: 100")
     assert "host written: 4.0 MiB" in line
+    assert "#hisparse resident: 2, #hisparse demoted: 3" in line
 
 
 def test_no_coordinator_or_not_hisparse_leaves_the_line():
@@ -43,3 +45,5 @@ def test_prometheus_counters_advance_by_deltas(monkeypatch):
     assert registry.get_sample_value("sglang:hisparse_topk_hits_total") == 500
     assert registry.get_sample_value("sglang:hisparse_topk_misses_total") == 150
     assert registry.get_sample_value("sglang:hisparse_hot_buffer_occupancy") == 0.5
+    assert registry.get_sample_value("sglang:hisparse_resident_reqs") == 2
+    assert registry.get_sample_value("sglang:hisparse_demotions_total") == 3

@@ -73,7 +73,7 @@ def test_patched_decode_batch_sets_cpu_indices():
     assert res["module"] == "sglang.srt.managers.scheduler"
 
 
-def test_patched_decode_batch_sets_cpu_indices_when_called():
+def test_patched_decode_batch_sets_cpu_indices_and_asks_only_requested_logprobs():
     # The real patched function on real pools, Reqs and FutureMap; only the
     # Scheduler (which needs a GPU to build) is a namespace of its attributes.
     proc = run_python(
@@ -83,7 +83,10 @@ def test_patched_decode_batch_sets_cpu_indices_when_called():
         import torch
         from sglang_hisparse.plugin import activate
         assert activate().applied
-        from dataplane_fixtures import dsa_pool, make_req, prefill, req_pool
+        from array import array
+        from dataplane_fixtures import dsa_pool, prefill, req_pool
+        from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.sampling.sampling_params import SamplingParams
         import sglang.srt.server_args as sa
         from sglang.srt.managers.scheduler import Scheduler
         from sglang.srt.managers.overlap_utils import FutureMap
@@ -94,8 +97,10 @@ def test_patched_decode_batch_sets_cpu_indices_when_called():
         pool, r2t = dsa_pool(1024), req_pool(8, 2048)
         alloc = HiSparseTokenToKVPoolAllocator(1024, 64, torch.bfloat16, "cpu", pool, False, 2)
         reqs = []
+        asked = ([5, 9], None)  # token_ids_logprob of each request
         for i, n in enumerate((300, 70)):
-            r = make_req(f"r{i}", n)
+            r = Req(f"r{i}", "", array("i", range(3, 3 + n)), SamplingParams(max_new_tokens=16),
+                    return_logprob=True, top_logprobs_num=2, token_ids_logprob=asked[i])
             prefill(r2t, alloc, r, n)
             r.output_ids = [7]
             reqs.append(r)
@@ -111,12 +116,18 @@ def test_patched_decode_batch_sets_cpu_indices_when_called():
         print(json.dumps(dict(
             fixed=fixed.req_pool_indices_cpu.tolist(),
             device=fixed.req_pool_indices.tolist(),
-            stock=None if stock.req_pool_indices_cpu is None else "set")))
+            stock=None if stock.req_pool_indices_cpu is None else "set",
+            fixed_ids=fixed.token_ids_logprobs, fixed_top=fixed.top_logprobs_nums,
+            stock_id_counts=[len(x) for x in stock.token_ids_logprobs])))
         """
     )
     res = _last_json(proc)
     assert res["stock"] is None  # what 0.5.13 leaves for the eager backup to index
     assert res["fixed"] == res["device"] == [1, 2]
+    # 0.5.13 asks every decode step for the logprob of each prompt token id.
+    assert res["stock_id_counts"] == [300, 70]
+    assert res["fixed_ids"] == [[5, 9], None]
+    assert res["fixed_top"] == [2, 2]
 
 
 def test_sglang_plugins_whitelist_without_us_skips_us():

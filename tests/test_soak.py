@@ -1,8 +1,11 @@
-"""The CPU soak (scripts/soak_cpu.py) for 1000 steps: no leak, no mismatch
-between the swap-in reference and the independent LRU model."""
+"""The CPU soak (scripts/soak_cpu.py) for 1000 steps, with residency (the
+default) and without: no leak, no mismatch between the swap-in reference and
+the independent LRU model, every selected row holding its token."""
 
 import importlib.util
 from pathlib import Path
+
+import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "soak_cpu.py"
 
@@ -14,15 +17,19 @@ def _load():
     return mod
 
 
-def test_soak_1000_steps(capsys):
+@pytest.mark.parametrize("residency", ["on", "off"])
+def test_soak_1000_steps(capsys, residency):
     soak = _load()
-    rc = soak.main(["--steps", "1000", "--seed", "7", "--verbose"])
+    rc = soak.main(["--steps", "1000", "--seed", "7", "--residency", residency, "--verbose"])
     out = capsys.readouterr().out.strip().splitlines()
     verdict = out[-1]
     assert rc == 0, "\n".join(out)
-    assert verdict.startswith("soak seed=7 steps=1000 OK")
+    assert verdict.startswith(f"soak seed=7 steps=1000 residency={residency} OK")
     for name in ("logical", "physical", "host", "req_slots"):
         assert f"{name} free" in verdict
+    stats = out[-2]
+    if residency == "on":  # both paths were exercised, demotion included
+        assert "'resident_checks': 0," not in stats and "'demotions': 0" not in stats
 
 
 def test_soak_detects_a_leak():

@@ -9,11 +9,15 @@ the rules are in :mod:`sglang_hisparse.arg_hooks.rules`.
 
 from __future__ import annotations
 
+import os
+
 from sglang_hisparse.arg_hooks.rules import (
+    HiSparseArgumentError,
     HiSparseServerArgs,
     ModelFamily,
-    check_hisparse_server_args,
+    find_problems,
 )
+from sglang_hisparse.config import env_problems
 
 
 def model_family(hf_config) -> ModelFamily | None:
@@ -65,4 +69,7 @@ def validate_hisparse(server_args) -> None:
     """
     if not server_args.enable_hisparse:
         return
-    check_hisparse_server_args(hisparse_server_args(server_args))
+    problems, _ = find_problems(hisparse_server_args(server_args))
+    problems += env_problems(os.environ)
+    if problems:
+        raise HiSparseArgumentError(problems)

@@ -12,6 +12,9 @@
 //     and take the non-hit slots in LRU order (least recent first);
 //   - new LRU = untouched non-hit slots (old order) + miss slots (assignment
 //     order) + hit slots (old order).
+// A request marked resident (its whole KV is on the device, see the
+// coordinator) skips all of this: each position goes through the request's
+// logical slot (req_to_token) to its device row (token_to_row).
 //
 // Work split. One block per request leaves a lone request with one block's
 // warps of copies in flight: far too few rows to cover the latency of PCIe
@@ -80,6 +83,10 @@ struct SwapInParams {
   int32_t* miss_dst;
   int32_t* miss_count;
   uint32_t* arrivals;
+  const int32_t* resident;      // per request slot, nullptr when residency is off
+  const int32_t* req_to_token;  // [R, r2t_stride] logical slot of each position
+  const int64_t* token_to_row;  // logical slot -> device row
+  int64_t r2t_stride;
   int64_t top_k_stride;
   int64_t out_stride;
   int64_t slot_tokens_stride;
@@ -177,6 +184,22 @@ __global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_const
 
   const int64_t limit = seq_len < p.max_ctx ? seq_len : p.max_ctx;  // valid positions: [0, limit)
   const int32_t* slot_locs = p.slot_locs + req * p.slot_locs_stride;
+
+  // Resident request: translate positions, nothing to resolve or copy.
+  if (p.resident != nullptr && p.resident[req] != 0) {
+    const int32_t* r2t = p.req_to_token + req * p.r2t_stride;
+#pragma unroll
+    for (int k = 0; k < kTopKPerThread; ++k) {
+      if (publishes(k)) {
+        const bool valid = tok[k] >= 0 && tok[k] < limit;
+        out[k * kThreads + tid] = valid ? static_cast<int32_t>(p.token_to_row[r2t[tok[k]]]) : -1;
+      }
+    }
+    if constexpr (kRecordPlan) {
+      if (part == 0 && tid == 0) p.miss_count[row] = 0;
+    }
+    return;
+  }
 
   // Short sequence: every token sits at slot == position. No IO, no LRU change.
   if (seq_len <= kHot) {
@@ -506,6 +529,9 @@ struct SwapIn {
       tvm::ffi::TensorView miss_dst,
       tvm::ffi::TensorView miss_count,
       tvm::ffi::TensorView arrivals,
+      tvm::ffi::TensorView resident,
+      tvm::ffi::TensorView req_to_token,
+      tvm::ffi::TensorView token_to_row,
       int64_t split) {
     using namespace host;
     auto BS = SymbolicSize{"batch"};
@@ -564,6 +590,16 @@ struct SwapIn {
       params.miss_count = static_cast<int32_t*>(miss_count.data_ptr());
       params.miss_src_stride = MS.unwrap();
       params.miss_dst_stride = MD.unwrap();
+    }
+    if (resident.size(0) > 0) {
+      auto R2 = SymbolicSize{"req_to_token.stride(0)"};
+      TensorMatcher({R}).with_dtype<int32_t>().with_device(cuda).verify(resident);
+      TensorMatcher({R, -1}).with_strides({R2, 1}).with_dtype<int32_t>().with_device(cuda).verify(req_to_token);
+      TensorMatcher({-1}).with_dtype<int64_t>().with_device(cuda).verify(token_to_row);
+      params.resident = static_cast<const int32_t*>(resident.data_ptr());
+      params.req_to_token = static_cast<const int32_t*>(req_to_token.data_ptr());
+      params.token_to_row = static_cast<const int64_t*>(token_to_row.data_ptr());
+      params.r2t_stride = R2.unwrap();
     }
     if (bs == 0) return;
 

@@ -36,7 +36,12 @@ seq_lens[b]``, entries ``t = top_k_tokens[b, j]``):
    holding a position twice, output -1 and are dropped.)
 7. New LRU order: ``[evictable slots not used as victims, in old order] +
    [victim slots, in miss order] + [hit slots, in old order]``.
-8. Miss plan, when requested: ``miss_src[b, m]`` = host row,
+8. Resident requests (``resident[r] != 0``, when ``resident`` is given):
+   the whole KV is on the device, so a valid entry outputs
+   ``token_to_row[req_to_token[r, t]]`` (the request's logical slot of the
+   position, then its device row); no IO, no state change, miss count 0.
+   Rule 1 still applies first.
+9. Miss plan, when requested: ``miss_src[b, m]`` = host row,
    ``miss_dst[b, m]`` = device row of miss ``m``, ``miss_count[b]`` = number
    of misses (entries past the count are left untouched).
 
@@ -142,6 +147,9 @@ def swap_in(
     blocks_per_req: Optional[int] = None,
     block_size: Optional[int] = None,
     workspace: Optional[torch.Tensor] = None,
+    resident: Optional[torch.Tensor] = None,
+    req_to_token: Optional[torch.Tensor] = None,
+    token_to_row: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Reference swap-in; see the module docstring for the rules.
 
@@ -151,7 +159,9 @@ def swap_in(
     [rows, row bytes] (C4: [pages, C4_PAGE_BYTES]); out int32 [bs, K]
     (allocated when None);
     optional miss plan: miss_src int64 [>= bs, >= K], miss_dst int32 (same
-    shape), miss_count int32 [>= bs]. Mutates out, slot_tokens, lru,
+    shape), miss_count int32 [>= bs]; optional residency (rule 8): resident
+    int32 [R], req_to_token int32 [R, ctx], token_to_row int64 [logical
+    slots]. Mutates out, slot_tokens, lru,
     device_kv and the plan; returns out. ``blocks_per_req``, ``block_size``
     and ``workspace`` only tune the CUDA launch and are ignored here.
     """
@@ -160,6 +170,8 @@ def swap_in(
     record = miss_src is not None
     if record != (miss_dst is not None) or record != (miss_count is not None):
         raise ValueError("miss_src, miss_dst and miss_count must be given together")
+    if (resident is None) != (req_to_token is None) or (resident is None) != (token_to_row is None):
+        raise ValueError("resident, req_to_token and token_to_row must be given together")
     bs, top_k = top_k_tokens.shape
     if out is None:
         out = torch.empty((bs, top_k), dtype=torch.int32, device=top_k_tokens.device)
@@ -179,6 +191,13 @@ def swap_in(
         valid = (toks >= 0) & (toks < min(seq_len, max_ctx))
         locs = slot_locs[r].to(dev)
         safe = torch.where(valid, toks, torch.zeros_like(toks))
+
+        if resident is not None and int(resident[r]) != 0:  # rule 8
+            rows = token_to_row[req_to_token[r].to(dev)[safe].to(torch.int64)].to(torch.int32)
+            out[b] = torch.where(valid, rows, torch.full_like(rows, -1))
+            if record:
+                miss_count[b] = 0
+            continue
 
         if seq_len <= hot:  # rule 3
             out[b] = torch.where(valid, locs[safe], torch.full_like(locs[safe], -1))

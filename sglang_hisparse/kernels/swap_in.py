@@ -364,14 +364,20 @@ def _check_kv(
     return item_bytes
 
 
+def _given_together(**optional) -> bool:
+    """True if every optional argument is given, False if none is; else an error."""
+    given = [v is not None for v in optional.values()]
+    if any(given) and not all(given):
+        names = list(optional)
+        raise ValueError(f"{', '.join(names[:-1])} and {names[-1]} must be given together")
+    return all(given)
+
+
 def _check_plan(
     miss_src, miss_dst, miss_count, bs: int, top_k: int, device: torch.device
 ) -> bool:
-    given = [x is not None for x in (miss_src, miss_dst, miss_count)]
-    if not any(given):
+    if not _given_together(miss_src=miss_src, miss_dst=miss_dst, miss_count=miss_count):
         return False
-    if not all(given):
-        raise ValueError("miss_src, miss_dst and miss_count must be given together")
     _check_tensor("miss_src", miss_src, dtypes=(torch.int64,), ndim=2, device=device)
     _check_tensor("miss_dst", miss_dst, dtypes=(torch.int32,), ndim=2, device=device)
     _check_tensor("miss_count", miss_count, dtypes=(torch.int32,), ndim=1, device=device)
@@ -381,6 +387,20 @@ def _check_plan(
         _fail("miss_src", f"needs shape >= [{bs}, {top_k}], got {tuple(miss_src.shape)}")
     if miss_count.size(0) < bs:
         _fail("miss_count", f"needs >= {bs} entries, got {miss_count.size(0)}")
+    return True
+
+
+def _check_residency(resident, req_to_token, token_to_row, max_reqs: int,
+                     device: torch.device) -> bool:
+    if not _given_together(resident=resident, req_to_token=req_to_token,
+                           token_to_row=token_to_row):
+        return False
+    _check_tensor("resident", resident, dtypes=(torch.int32,), ndim=1, device=device)
+    _check_tensor("req_to_token", req_to_token, dtypes=(torch.int32,), ndim=2, device=device)
+    _check_tensor("token_to_row", token_to_row, dtypes=(torch.int64,), ndim=1, device=device)
+    for name, t in (("resident", resident), ("req_to_token", req_to_token)):
+        if t.size(0) != max_reqs:
+            _fail(name, f"expected {max_reqs} rows (one per request slot), got {t.size(0)}")
     return True
 
 
@@ -409,6 +429,9 @@ def swap_in(
     blocks_per_req: Optional[int] = None,
     block_size: Optional[int] = None,
     workspace: Optional[torch.Tensor] = None,
+    resident: Optional[torch.Tensor] = None,
+    req_to_token: Optional[torch.Tensor] = None,
+    token_to_row: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Resolve one layer's top-k against the hot buffers; load misses; fill ``out``.
 
@@ -418,7 +441,9 @@ def swap_in(
     batch size. ``blocks_per_req``/``block_size`` tune the launch and
     ``workspace`` replaces the shared arrival counters (int32, zeroed,
     >= batch entries). ``skip_io`` resolves and updates state but moves no
-    KV bytes (a timing probe). Returns ``out``.
+    KV bytes (a timing probe). ``resident``/``req_to_token``/``token_to_row``
+    (together) translate resident requests' positions instead (reference
+    rule 8). Returns ``out``.
     """
     _check_tensor("top_k_tokens", top_k_tokens, dtypes=(torch.int32,), ndim=2)
     if not top_k_tokens.is_cuda:
@@ -455,6 +480,7 @@ def swap_in(
     item_bytes = _check_kv(layout, host_kv, device_kv, device)
     _check_sizes(top_k, hot, item_bytes, layout)
     record = _check_plan(miss_src, miss_dst, miss_count, bs, top_k, device)
+    residency = _check_residency(resident, req_to_token, token_to_row, max_reqs, device)
 
     threads = block_size if block_size is not None else default_block_size(hot)
     _check_block_size(threads, top_k, hot)
@@ -491,6 +517,9 @@ def swap_in(
         miss_dst if record else empty,
         miss_count if record else empty,
         workspace,
+        resident if residency else empty,
+        req_to_token if residency else empty,
+        token_to_row if residency else empty,
         split,
     )
     return out
