@@ -222,10 +222,16 @@ class HiSparseDualAllocator(BaseTokenToKVPoolAllocator):
         return max(0, raw - max(0, head))
 
     def available_size(self) -> int:
-        return min(
-            self.logical_attn_allocator.available_size(),
-            self.hisparse_attn_allocator.available_size() + self._reclaimable(),
-        )
+        # The scheduler asks several times per step: walk the live requests
+        # once. Same value as min(logical.available_size(),
+        # physical.available_size() + reclaimable).
+        phys_owed, host_owed = self._owed()
+        physical = max(0, self.hisparse_attn_allocator.raw_available_size() - phys_owed
+                       - self.pending_prefill_claim()) + self._reclaimable()
+        logical = self.logical_attn_allocator.raw_available_size()
+        if self._host_pool is not None:
+            logical = min(logical, max(0, self._host_pool.available_size() - host_owed))
+        return min(logical, physical)
 
     def physical_available_size(self) -> int:
         return self.hisparse_attn_allocator.raw_available_size()

@@ -119,3 +119,20 @@ def test_residency_off_stages_as_before(monkeypatch):
     alloc = HiSparseDualAllocator(1024, PS, torch.bfloat16, "cpu", pool, False, 2)
     coord = HiSparseCoordinator(req_pool(8, 2048), alloc, TOPK, HOT, "cpu", None, 2)
     assert coord.residency is False
+
+
+def test_available_size_is_the_composed_budget():
+    # The one-walk available_size must equal the sub-allocators' own budgets.
+    env = resident_env(phys=1024)
+    a = env.staged("a", 600)
+    b = env.staged("b", 60)
+    env.coord.collect_ready_reqs()
+    env.coord.reclaim_rows(1)  # a: hot buffer; b: short resident
+    env.decode([a, b])
+    alloc = env.alloc
+    composed = min(alloc.logical_attn_allocator.available_size(),
+                   alloc.hisparse_attn_allocator.available_size() + env.coord.reclaimable_rows())
+    assert alloc.available_size() == composed
+    env.finish(a)
+    env.finish(b)
+    assert env.drained()
