@@ -492,13 +492,13 @@ class HiSparseCoordinator:
                 self.mem_pool_device, host, dev, layer, io_backend="kernel")
         self.host_bytes_read_staging += n * self.item_size_bytes * self.layer_num
 
-    def _grow_device_buffers(self, seq_lens_cpu, req_pool_indices_cpu) -> None:
+    def _grow_device_buffers(self, seq_list, idx_list) -> None:
         B = self.device_buffer_size
         grows = []
-        for i, (seq, idx) in enumerate(zip(seq_lens_cpu.tolist(), req_pool_indices_cpu.tolist())):
+        for seq, idx in zip(seq_list, idx_list):
             if idx in self._resident_rows:
                 continue
-            cap = int(self.req_device_buffer_size[idx])
+            cap = int(self._buffer_size_np[idx])
             if seq <= B and seq > cap:
                 grows.append((idx, cap, self._buffer_size_for(seq)))
         total = sum(new - old for _, old, new in grows)
@@ -525,20 +525,18 @@ class HiSparseCoordinator:
             req_pool_indices_cpu = req_pool_indices.cpu()
         if seq_lens_cpu is None:
             seq_lens_cpu = seq_lens.cpu()
+        seq_list, idx_list = seq_lens_cpu.tolist(), req_pool_indices_cpu.tolist()
         if self._resident_rows:
-            self._grow_residents(seq_lens_cpu.tolist(), req_pool_indices_cpu.tolist(),
-                                 out_cache_loc)
-        self._eager_backup_previous_token(seq_lens, req_pool_indices, seq_lens_cpu,
-                                          req_pool_indices_cpu)
+            self._grow_residents(seq_list, idx_list, out_cache_loc)
+        self._eager_backup_previous_token(seq_lens, req_pool_indices, seq_list, idx_list)
         mapping = self._mapping()
         if self.is_dsv4_hisparse:
             self._map_last_loc_dsv4(seq_lens, out_cache_loc, req_pool_indices)
             return
-        self._grow_device_buffers(seq_lens_cpu, req_pool_indices_cpu)
+        self._grow_device_buffers(seq_list, idx_list)
         if self._resident_rows:
             # Residents got their own rows above; the rest use the newest slot.
-            keep = [i for i, idx in enumerate(req_pool_indices_cpu.tolist())
-                    if idx not in self._resident_rows]
+            keep = [i for i, idx in enumerate(idx_list) if idx not in self._resident_rows]
             if not keep:
                 return
             sel = torch.tensor(keep, dtype=torch.int64, device=seq_lens.device)
@@ -666,12 +664,12 @@ class HiSparseCoordinator:
         compressed = self.token_to_kv_pool_allocator.get_last_loc_compressed(out_cache_loc[active])
         self._mapping()[compressed] = rows
 
-    def _eager_backup_previous_token(self, seq_lens, req_pool_indices, seq_lens_cpu,
-                                     req_pool_indices_cpu) -> None:
+    def _eager_backup_previous_token(self, seq_lens, req_pool_indices, seq_list,
+                                     idx_list) -> None:
         """Write the previous (compressed) token of each request through to host."""
         cr = self.compress_ratio
         picks, positions = [], []
-        for i, (seq, idx) in enumerate(zip(seq_lens_cpu.tolist(), req_pool_indices_cpu.tolist())):
+        for i, (seq, idx) in enumerate(zip(seq_list, idx_list)):
             if idx in self._resident_rows:
                 continue  # nothing goes to host while resident
             if self._skip_first_backup[idx]:
