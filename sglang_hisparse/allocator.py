@@ -362,20 +362,28 @@ class HiSparseDualAllocator(BaseTokenToKVPoolAllocator):
             self.free_hisparse_indices(owned[need_size:])
             mapping[allocated_indices] = 0
             return keep
-        residual = owned.numel() % self.page_size
-        if residual:
-            last = owned[-1]
-            tail = torch.arange(
-                1, self.page_size - residual + 1, dtype=owned.dtype, device=owned.device
-            ) + last
-            owned = torch.cat([owned, tail])
-        extra_n = need_size - owned.numel()
-        if extra_n > 0:
-            extra = self.hisparse_attn_allocator.alloc(extra_n)
-            if extra is None:
-                return None
-            owned = torch.cat([owned, extra.to(owned.dtype)])
+        buffer = self._grow_rows_to(owned, need_size, self.page_size)
+        if buffer is None:
+            return None
         mapping[allocated_indices] = 0
+        return buffer
+
+    def _grow_rows_to(self, owned: torch.Tensor, need_size: int, page: int):
+        """``owned`` (token order, fewer than ``need_size``), then the rest of its
+        last page (already the request's), then fresh pages up to ``need_size``.
+        None, with nothing allocated, when no fresh pages are free."""
+        residual = int(owned.numel()) % page
+        if residual:
+            tail = owned[-1] + torch.arange(
+                1, page - residual + 1, dtype=owned.dtype, device=owned.device
+            )
+            owned = torch.cat([owned, tail])
+        missing = need_size - int(owned.numel())
+        if missing > 0:
+            fresh = self.hisparse_attn_allocator.alloc(missing)
+            if fresh is None:
+                return None
+            owned = torch.cat([owned, fresh.to(owned.dtype)])
         return owned
 
     # ------------------------------------------------------------------ free

@@ -402,21 +402,13 @@ class DSV4HiSparseAllocator(BaseTokenToKVPoolAllocator):
             kept = torch.isin(owned_pages, torch.unique(buffer // cps))
             self.free_hisparse_indices(owned_pages[~kept] * cps)
         else:
-            buffer = owned
-            residual = n % cps
-            if residual:  # the rest of the request's last page is already its own
-                tail = owned[-1] + torch.arange(
-                    1, cps - residual + 1, dtype=owned.dtype, device=owned.device
-                )
-                buffer = torch.cat([buffer, tail])
-            missing = need_size - int(buffer.numel())
-            if missing > 0:
-                fresh = self.hisparse_attn_allocator.alloc(missing)
-                if fresh is None:
-                    return None
-                buffer = torch.cat([buffer, fresh.to(buffer.dtype)])
+            buffer = self._grow_rows_to(owned, need_size, cps)
+            if buffer is None:
+                return None
         mapping[compressed] = 0
         return buffer
+
+    _grow_rows_to = HiSparseDualAllocator._grow_rows_to
 
     # ------------------------------------------------------------------- free
     free_hisparse_indices = HiSparseDualAllocator.free_hisparse_indices
