@@ -381,9 +381,11 @@ class HiSparseCoordinator(ResidencyMixin):
             self._host_wait.append(req)
             self.host_wait_events += 1
 
-    def _start_staging(self, req) -> bool:
-        idx = req.req_pool_idx
-        logical = self.req_to_token_pool.req_to_token[idx, : req.fill_len].to(torch.int64)
+    def _prefix_rows(self, idx: int, n: int):
+        """(host rows, device rows) of a request's first ``n`` tokens (C4 rows
+        for V4), host pages allocated as needed; None when the host pool has
+        too few pages."""
+        logical = self.req_to_token_pool.req_to_token[idx, :n].to(torch.int64)
         if self.is_dsv4_hisparse:
             logical = self.mem_pool_device.translate_loc_from_full_to_compressed(logical)
         physical = self._mapping()[logical]
@@ -391,8 +393,13 @@ class HiSparseCoordinator(ResidencyMixin):
             self.req_to_host_pool, self.req_to_host_pool_allocated_len, idx, 0,
             int(physical.numel()),
         )
-        if host is None:
+        return None if host is None else (host, physical)
+
+    def _start_staging(self, req) -> bool:
+        rows = self._prefix_rows(req.req_pool_idx, req.fill_len)
+        if rows is None:
             return False
+        host, physical = rows
         start, done = self._streams.event(), self._streams.event()
         if self._streams.gpu:
             start.record()
@@ -587,7 +594,7 @@ class HiSparseCoordinator(ResidencyMixin):
         if not picks:
             return
         dev = seq_lens.device
-        if len(picks) == len(positions) == seq_lens.numel():
+        if len(picks) == seq_lens.numel():
             rpi = req_pool_indices
         else:
             rpi = req_pool_indices[torch.tensor(picks, dtype=torch.int64, device=dev)]

@@ -111,13 +111,11 @@ class ResidencyMixin:
         req = self._live[idx]
         rows_before = self._resident_rows[idx]
         n = req.kv_allocated_len - (1 if with_new_token else 0)
-        host = self.mem_pool_host.try_alloc_paged_token_slots(
-            self.req_to_host_pool, self.req_to_host_pool_allocated_len, idx, 0, n)
-        if host is None:
+        rows = self._prefix_rows(idx, n)
+        if rows is None:
             raise RuntimeError("HiSparse: host pool exhausted while demoting a resident "
                                "request; admission accounting was bypassed")
-        logical = self.req_to_token_pool.req_to_token[idx, :n].to(torch.int64)
-        physical = self._mapping()[logical]
+        host, physical = rows
         self.mem_pool_host.backup_from_device_all_layer(
             self.mem_pool_device, host, physical, io_backend="kernel")
         self.host_bytes_written += n * self.item_size_bytes * self.layer_num

@@ -5,7 +5,7 @@ test counts logical, physical, host and request slots back to the start."""
 import pytest
 import torch
 
-from dataplane_fixtures import PS, get_tag
+from dataplane_fixtures import PS, get_tag, release
 from test_coordinator import HOT, TOPK, Env
 
 P = HOT + PS  # a hot buffer with its newest-token page
@@ -102,8 +102,6 @@ def test_abort_and_retract_of_residents_return_everything(state):
         env.coord.retract_req(a)
     else:
         env.coord.abort_staging_request(a)
-    from dataplane_fixtures import release
-
     release(env.r2t, env.alloc, a)
     assert not env.coord.has_ongoing_staging()
     assert env.drained()
