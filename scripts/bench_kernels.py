@@ -84,6 +84,8 @@ class World:
             self.absent.append(absent)
         self.slot_tokens0 = st.cuda()
         self.lru0 = torch.stack([torch.randperm(HOT, generator=gen) for _ in range(max_bs)]).to(torch.int16).cuda()
+        # The data plane's hit/miss tally, passed as the coordinator does.
+        self.tally = torch.zeros(2, dtype=torch.int64, device="cuda")
         self.slot_tokens = self.slot_tokens0.clone()
         self.lru = self.lru0.clone()
         self.gen = gen
@@ -189,7 +191,7 @@ def ours(world: World, bs: int, top_k: torch.Tensor, out, num_real, seq_lens, re
     def call():
         swap_in(top_k, reqs, seq_lens, num_real, world.slot_tokens, world.slot_locs,
                 world.lru, world.host_locs, world.host_kv, world.device_kv, out,
-                skip_io=skip_io, blocks_per_req=blocks_per_req)
+                skip_io=skip_io, blocks_per_req=blocks_per_req, tally=world.tally)
 
     return call
 

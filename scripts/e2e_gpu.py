@@ -12,6 +12,7 @@ Configurations:
   native  SGLang 0.5.13's own HiSparse data plane with only our argument
           handling and the decode-crash fix (SGLANG_HISPARSE_NATIVE=1)
   ours    this package's data plane
+  nopark  ours with SGLANG_HISPARSE_PARKING=0 (staged requests join at once)
   noio    ours with SGLANG_HISPARSE_SKIP_IO=1 (swap-in copies skipped: outputs
           invalid, timing valid; "ours / noio" is what host IO costs)
   stock   0.5.13 as shipped, plugin not loaded (expected to crash at the
@@ -84,6 +85,8 @@ def server_cmd(model: str, port: int, config: str, extra: list[str]) -> tuple[li
         env["SGLANG_HISPARSE_NATIVE"] = "1"
     if config == "noio":
         env["SGLANG_HISPARSE_SKIP_IO"] = "1"
+    if config == "nopark":
+        env["SGLANG_HISPARSE_PARKING"] = "0"
     if config == "stock":
         # SGLang's own whitelist: every plugin but ours (test weights stay).
         from importlib.metadata import entry_points
@@ -186,6 +189,10 @@ def run_workload(url: str, name: str, seed0: int = 0) -> dict:
     res["output_tok_s"] = out_tokens / res["wall_s"] if res["wall_s"] else 0.0
     tpots = [r["tpot_ms"] for r in res["requests"] if "tpot_ms" in r]
     res["mean_tpot_ms"] = statistics.mean(tpots) if tpots else None
+    # A lone request's time to first token is its prefill time: 16 of them
+    # bound how fast the capacity workload can go, whatever the batch.
+    ttfts = [r["ttft"] for r in res["requests"] if r.get("ttft") is not None]
+    res["median_ttft_s"] = statistics.median(ttfts) if ttfts else None
     return res
 
 
@@ -279,7 +286,8 @@ def main() -> int:
                         results[cfg][w].append(r)
                         print(f"[{cfg} rep{rep}.{inner}] {w}: {len(r['requests'])} ok, "
                               f"{len(r['errors'])} errors, {r['output_tok_s']:.0f} tok/s, "
-                              f"tpot {r['mean_tpot_ms']}, step {r['decode_step_ms']} ms, running max {r['max_running']}, "
+                              f"tpot {r['mean_tpot_ms']}, ttft {r['median_ttft_s']} s, "
+                              f"step {r['decode_step_ms']} ms, running max {r['max_running']}, "
                               f"hisparse misses {r['hisparse_misses']} (hit rate "
                               f"{r['hisparse_hit_rate']}, host read {r['hisparse_host_read_mib']} MiB)",
                               flush=True)

@@ -9,6 +9,9 @@ with prompt lengths from a few tokens to several hot buffers, (chunked)
 prefill, finish right after prefill, staging (copies kept "in flight" for a
 few polls), decode steps with random top-k, finish, abort in every state
 (waiting, staging, running), retract on memory pressure and at random.
+With parking on (the default) the coordinator sees the simulated queue
+through a prefill-demand provider, so staged requests also wait on host
+(parked) and join later with a fresh hot buffer.
 
 Every prefill/decode token gets a KV row whose bytes name (request, token,
 layer); every swap-in output row is checked against those bytes, and the
@@ -75,7 +78,7 @@ class LruModel:
 class Sim:
     def __init__(self, seed: int, page_size: int = 64, phys_pages: int = 30, ratio: int = 3,
                  hot: int = 128, top_k: int = 16, layers: int = 2, max_reqs: int = 12,
-                 max_ctx: int = 1400, residency: bool = True):
+                 max_ctx: int = 1400, residency: bool = True, parking: bool = True):
         from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool
 
         from sglang_hisparse.allocator import HiSparseDualAllocator
@@ -106,6 +109,9 @@ class Sim:
                                          host_pool=host, swap_in_fn=self.ref,
                                          residency=residency)
         self.coord.set_cpu_staging_delay(lambda: self.rng.choice([0, 0, 1, 3]))
+        self.max_reqs = max_reqs
+        if parking:
+            self.coord.set_prefill_demand(self.prefill_demand)
         self.host = self.coord.mem_pool_host
         self.start = self.snapshot()
         self.uid = 0
@@ -114,7 +120,7 @@ class Sim:
         self.stats = dict(prefill=0, finish_prefill=0, staged=0, decode_steps=0, finish=0,
                           abort_waiting=0, abort_staging=0, abort_running=0, abort_prefill=0,
                           retract=0, retract_oom=0, swap_checks=0, host_wait_max=0,
-                          resident_checks=0)
+                          resident_checks=0, parked=0)
         self.was_resident = set()  # requests seen resident (reset their model on demotion)
 
     # ---------------------------------------------------------- bookkeeping
@@ -165,15 +171,28 @@ class Sim:
         self.models.pop(req, None)
         self.was_resident.discard(req)
 
+    def page_up(self, n):
+        return -(-n // self.ps) * self.ps
+
+    def prefill_demand(self):
+        """What try_prefill will ask for, in the coordinator's terms."""
+        from sglang_hisparse.parking import PrefillDemand
+
+        in_flight = sum(self.page_up(r.sim_target) - self.page_up(r.sim_len)
+                        for r in self.prefilling)
+        nxt = 0
+        if self.waiting and self.r2t.available_size():
+            nxt = self.page_up(self.waiting[0].sim_target) + self.ps
+        return PrefillDemand(in_flight, nxt, self.max_reqs - len(self.running))
+
     # ------------------------------------------------------------- actions
     def try_prefill(self):
         if not self.waiting or not self.r2t.available_size():
             return
         req = self.waiting[0]
-        page_up = lambda n: -(-n // self.ps) * self.ps
-        need = page_up(req.sim_target) + self.ps
+        need = self.page_up(req.sim_target) + self.ps
         # chunks still to come for requests already prefilling
-        need += sum(page_up(r.sim_target) - page_up(r.sim_len) for r in self.prefilling)
+        need += sum(self.page_up(r.sim_target) - self.page_up(r.sim_len) for r in self.prefilling)
         if self.alloc.available_size() < need:
             return
         self.waiting.pop(0)
@@ -207,13 +226,18 @@ class Sim:
         self.stats["staged"] += 1
 
     def collect(self):
+        parked = set(self.coord._parked)
         for req in self.coord.collect_ready_reqs():
             self.staging.remove(req)
             self.running.append(req)
             models = [LruModel(self.hot) for _ in range(self.layers)]
+            # Slot i holds token i, except a long parked request's fresh
+            # buffer, which starts empty.
+            start = 0 if req in parked and req.sim_len > self.hot else min(req.sim_len, self.hot)
             for m in models:
-                m.reset_resident(min(req.sim_len, self.hot))
+                m.reset_resident(start)
             self.models[req] = models
+        self.stats["parked"] += len(set(self.coord._parked) - parked)
         self.stats["host_wait_max"] = max(self.stats["host_wait_max"], len(self.coord._host_wait))
 
     def decode(self):
@@ -405,9 +429,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--residency", choices=("on", "off"), default="on",
                     help="resident requests until rows run short (the default) or stage all")
+    ap.add_argument("--parking", choices=("on", "off"), default="on",
+                    help="staged requests may wait on host while prompts need the rows")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args(argv)
-    sim = Sim(args.seed, residency=args.residency == "on")
+    sim = Sim(args.seed, residency=args.residency == "on", parking=args.parking == "on")
     error = None
     try:
         for _ in range(args.steps):
@@ -419,7 +445,8 @@ def main(argv=None) -> int:
     if args.verbose:
         print(f"swap-in: {sim.ref_name}; stats {sim.stats}; {sim.coord.get_hisparse_stats()}")
     verdict = "OK" if ok and error is None else "FAIL"
-    print(f"soak seed={args.seed} steps={args.steps} residency={args.residency} {verdict}: "
+    print(f"soak seed={args.seed} steps={args.steps} residency={args.residency} "
+          f"parking={args.parking} {verdict}: "
           + ", ".join(parts)
           + (f"; {error}" if error else ""))
     return 0 if verdict == "OK" else 1

@@ -183,7 +183,7 @@ class HiSparseDualAllocator(BaseTokenToKVPoolAllocator):
         self._reclaimable = reclaimable
         self._reclaim = reclaim
 
-    def _ensure_physical(self, need: int) -> None:
+    def make_rows_available(self, need: int) -> None:
         """Demote residents until ``need`` rows are free beyond those owed."""
         short = need - self.hisparse_attn_allocator.available_size()
         if short > 0 and self._reclaim is not None:
@@ -221,17 +221,23 @@ class HiSparseDualAllocator(BaseTokenToKVPoolAllocator):
         raw = self.logical_attn_allocator.raw_available_size()
         return max(0, raw - max(0, head))
 
-    def available_size(self) -> int:
-        # The scheduler asks several times per step: walk the live requests
-        # once. Same value as min(logical.available_size(),
-        # physical.available_size() + reclaimable).
+    def budgets(self) -> Tuple[int, int]:
+        """(logical, physical) tokens admission may still use: logical slots
+        less the host space owed to live requests, and free rows less those
+        owed (hot buffers still to grow, prefill claims) plus what demoting
+        residents gives back. One walk of the live requests for both."""
         phys_owed, host_owed = self._owed()
         physical = max(0, self.hisparse_attn_allocator.raw_available_size() - phys_owed
                        - self.pending_prefill_claim()) + self._reclaimable()
         logical = self.logical_attn_allocator.raw_available_size()
         if self._host_pool is not None:
             logical = min(logical, max(0, self._host_pool.available_size() - host_owed))
-        return min(logical, physical)
+        return logical, physical
+
+    def available_size(self) -> int:
+        # The scheduler asks several times per step. Same value as
+        # min(logical.available_size(), physical.available_size() + reclaimable).
+        return min(self.budgets())
 
     def physical_available_size(self) -> int:
         return self.hisparse_attn_allocator.raw_available_size()
@@ -267,7 +273,7 @@ class HiSparseDualAllocator(BaseTokenToKVPoolAllocator):
                 "HiSparse allocator with page_size > 1 allocates through "
                 "alloc_extend / alloc_decode"
             )
-        self._ensure_physical(need_size)
+        self.make_rows_available(need_size)
         if need_size > self.physical_available_size():
             return None
         logical = self.logical_attn_allocator.alloc(need_size)
@@ -289,7 +295,7 @@ class HiSparseDualAllocator(BaseTokenToKVPoolAllocator):
         )
         if new_pages * ps > self.logical_available_size():
             return None
-        self._ensure_physical(new_pages * ps)
+        self.make_rows_available(new_pages * ps)
         if new_pages * ps > self.physical_available_size():
             return None
         logical = self.logical_attn_allocator.alloc_extend(

@@ -156,13 +156,21 @@ def _reject_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
     return seen
 
 
-# Environment switches (documented in README): name -> allowed values.
+# Environment switches (documented in README). The modules that read them
+# import these names; ENV_SWITCHES (name -> allowed values) is what
+# validation checks before any weights load.
+NATIVE_ENV = "SGLANG_HISPARSE_NATIVE"  # plugin: SGLang's own data plane + our fixes
+SKIP_IO_ENV = "SGLANG_HISPARSE_SKIP_IO"  # coordinator: timing probe, no host copies
+RESIDENCY_ENV = "SGLANG_HISPARSE_RESIDENCY"  # coordinator: "0" stages every request
+PARKING_ENV = "SGLANG_HISPARSE_PARKING"  # coordinator: "0" joins staged requests at once
+HOST_ALLOC_ENV = "SGLANG_HISPARSE_HOST_ALLOC"  # host_memory: how host pools are pinned
 HOST_ALLOC_MODES = ("cuda_host_alloc", "registered", "registered_thp")
 ENV_SWITCHES = {
-    "SGLANG_HISPARSE_NATIVE": ("0", "1"),
-    "SGLANG_HISPARSE_SKIP_IO": ("0", "1"),
-    "SGLANG_HISPARSE_RESIDENCY": ("0", "1"),
-    "SGLANG_HISPARSE_HOST_ALLOC": HOST_ALLOC_MODES,
+    NATIVE_ENV: ("0", "1"),
+    SKIP_IO_ENV: ("0", "1"),
+    RESIDENCY_ENV: ("0", "1"),
+    PARKING_ENV: ("0", "1"),
+    HOST_ALLOC_ENV: HOST_ALLOC_MODES,
 }
 
 

@@ -15,7 +15,10 @@ Lifecycle of a request (colocated):
    host-wait list; it is retried, never failed);
 3. ``collect_ready_reqs`` returns requests whose copy finished on every TP
    rank (count agreed with ``all_reduce(MIN)`` on the CPU group) after turning
-   their prefill rows into a hot buffer (``alloc_device_buffer``);
+   their prefill rows into a hot buffer (``alloc_device_buffer``), unless the
+   hot buffer would take rows a waiting prompt needs: then the request is
+   *parked* (all its rows freed, KV on host) and joins later with a fresh
+   hot buffer (``parking.py``);
 4. every decode step ``map_last_loc_to_buffer`` writes the previous token
    through to host (skipped on the first step after staging), grows the hot
    buffer of short requests and maps the new token to its slot (slot ``B`` =
@@ -57,18 +60,12 @@ from typing import Callable, Dict, List, NamedTuple, Optional
 import torch
 
 from sglang_hisparse import metrics
+from sglang_hisparse.config import PARKING_ENV, RESIDENCY_ENV, SKIP_IO_ENV
 from sglang_hisparse.host_pool import HiSparseC4HostPool, HiSparseMLAHostPool
+from sglang_hisparse.parking import ParkingMixin
 from sglang_hisparse.residency import ResidencyMixin
 
 logger = logging.getLogger(__name__)
-
-# "0" turns residency off: every request is staged to host after prefill.
-RESIDENCY_ENV = "SGLANG_HISPARSE_RESIDENCY"
-
-# Timing probe: the swap-in resolves and publishes slots but skips its
-# host->device copies, so outputs are wrong while step times show what the
-# copies cost (ours with IO vs ours without, same run).
-SKIP_IO_ENV = "SGLANG_HISPARSE_SKIP_IO"
 
 
 class HiSparseTokenStats(NamedTuple):
@@ -152,7 +149,7 @@ def _configured_swap_in_block_size() -> Optional[int]:
         return None
 
 
-class HiSparseCoordinator(ResidencyMixin):
+class HiSparseCoordinator(ResidencyMixin, ParkingMixin):
     """Replacement for 0.5.13 ``HiSparseCoordinator`` (same constructor)."""
 
     def __init__(
@@ -183,6 +180,9 @@ class HiSparseCoordinator(ResidencyMixin):
         self.is_dsv4_hisparse = self.compress_ratio != 1
         self._swap_in_fn = swap_in_fn
         self.swap_in_block_size = swap_in_block_size or _configured_swap_in_block_size()
+        # Timing probe: the swap-in resolves and publishes slots but skips its
+        # host->device copies (outputs wrong; ours vs ours-without-IO shows
+        # what the copies cost).
         self.skip_io = os.environ.get(SKIP_IO_ENV) == "1"
         # DeepSeek-V4's C4 rows are compressed per page of tokens; residency
         # is implemented for DSA rows only.
@@ -244,17 +244,17 @@ class HiSparseCoordinator(ResidencyMixin):
         self.lru_slots = self._lru_init.repeat(self.layer_num, max_reqs, 1).contiguous()
         self._arange_i32 = torch.arange(P, **i32)
         self.top_k_device_locs_buffer = torch.full((max_reqs, top_k), -1, **i32)
-        # The kernel's miss plan: only miss_count is read (hit/miss counters).
-        self._miss_src = torch.zeros((max_reqs, top_k), dtype=torch.int64, device=device)
-        self._miss_dst = torch.zeros((max_reqs, top_k), **i32)
-        self._miss_count = torch.zeros(max_reqs, **i32)
         self.raw_indices_buffer = torch.full((max_reqs, top_k), -1, **i32)
         self.num_real_reqs = torch.zeros(1, **i32)
-        self._row_ids = torch.arange(max_reqs, **i32)
         # Residency: the kernel's per-slot flag, and rows held per resident.
         self.req_resident = torch.zeros(max_reqs, **i32)
         self._resident_rows: Dict[int, int] = {}
         self._ready: List[object] = []  # past prefill, not staged, not yet collected
+        # Parking: staged requests waiting on host, holding no device row.
+        self._parked: List[object] = []
+        self._parked_slots = set()
+        self._prefill_demand = None
+        self.parking = os.environ.get(PARKING_ENV, "1") != "0"
         self.demotions = 0
 
         self._streams = _Streams(device)
@@ -273,9 +273,9 @@ class HiSparseCoordinator(ResidencyMixin):
         self._live: Dict[int, object] = {}  # req_pool_idx -> Req (staging or active)
         self._skip_first_backup = [False] * max_reqs
 
-        # Counters (device tensors so the decode path never syncs).
-        self._hits = torch.zeros(1, dtype=torch.int64, device=device)
-        self._misses = torch.zeros(1, dtype=torch.int64, device=device)
+        # The kernel's tally of (selected tokens, misses), summed over layers
+        # and steps on the device: the decode path never syncs for it.
+        self._tally = torch.zeros(2, dtype=torch.int64, device=device)
         self.host_bytes_written = 0
         self.host_bytes_read_staging = 0  # preload (direct admission)
         self.host_wait_events = 0
@@ -307,6 +307,8 @@ class HiSparseCoordinator(ResidencyMixin):
         for idx, req in self._live.items():
             if idx in self._resident_rows:
                 held = self._resident_rows[idx]
+            elif idx in self._parked_slots:
+                held = P  # claims rows only when it joins (checked then)
             elif getattr(req, "hisparse_staging", False):
                 # Rows it still holds from prefill, in this pool's units (C4 rows for V4).
                 held = self._page_up(self.host_token_len(req.fill_len))
@@ -346,9 +348,9 @@ class HiSparseCoordinator(ResidencyMixin):
         active = [i for i, r in self._live.items()
                   if not getattr(r, "hisparse_staging", False) and i not in self._resident_rows]
         cap = int(self.req_device_buffer_size[active].sum()) if active else 0
-        misses = int(self._misses.item())
+        selected, misses = self._tally.tolist()
         return {
-            "hits": int(self._hits.item()),
+            "hits": selected - misses,
             "misses": misses,
             "host_bytes_read": misses * self.item_size_bytes + self.host_bytes_read_staging,
             "host_bytes_written": self.host_bytes_written,
@@ -359,6 +361,7 @@ class HiSparseCoordinator(ResidencyMixin):
             "host_wait_reqs": len(self._host_wait),
             "host_wait_events": self.host_wait_events,
             "resident_reqs": len(self._resident_rows),
+            "parked_reqs": len(self._parked),
             "demotions": self.demotions,
         }
 
@@ -371,8 +374,9 @@ class HiSparseCoordinator(ResidencyMixin):
         take = getattr(self.token_to_kv_pool_allocator, "take_prefill_claim", None)
         if take is not None:
             take(int(first))
-        if self.residency:
-            # Keep the prefill rows: decode resident until rows run short.
+        if self.residency and not self.prefill_pending():
+            # Keep the prefill rows: decode resident until rows run short
+            # (not while other prompts wait for rows: see parking.py).
             self._resident_rows[idx] = self._page_up(req.fill_len)
             self.req_resident[idx] = 1
             self._ready.append(req)
@@ -420,10 +424,11 @@ class HiSparseCoordinator(ResidencyMixin):
     def staged_requests(self) -> List[object]:
         """Requests past prefill that are not in the running batch yet: copying
         their prefill to host, waiting for host pages, or ready to join."""
-        return [s.req for s in self.ack_staging_queue] + list(self._host_wait) + list(self._ready)
+        return ([s.req for s in self.ack_staging_queue] + list(self._host_wait)
+                + list(self._ready) + list(self._parked))
 
     def has_ongoing_staging(self) -> bool:
-        return bool(self.ack_staging_queue or self._host_wait or self._ready)
+        return bool(self.ack_staging_queue or self._host_wait or self._ready or self._parked)
 
     def collect_ready_reqs(self) -> List[object]:
         ready, self._ready = self._ready, []
@@ -431,7 +436,7 @@ class HiSparseCoordinator(ResidencyMixin):
             req.hisparse_staging = False
         while self._host_wait and self._start_staging(self._host_wait[0]):
             self._host_wait.pop(0)
-        if not self.ack_staging_queue:
+        if not self.ack_staging_queue and not self._parked:
             return ready
         done = 0
         for item in self.ack_staging_queue:
@@ -442,12 +447,22 @@ class HiSparseCoordinator(ResidencyMixin):
             t = torch.tensor(done, dtype=torch.int32)
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.tp_group)
             done = int(t.item())
-        for _ in range(done):
-            req = self.ack_staging_queue.pop(0).req
+        staged = [self.ack_staging_queue.pop(0).req for _ in range(done)]
+        demand = self._demand() if (staged or self._parked) else None
+        room = demand.room - len(ready) if demand is not None else 0
+        # Parked requests first: they finished staging earlier.
+        joined = self._unpark(demand, room)
+        ready += joined
+        room -= len(joined)
+        for req in staged:
+            if not self._may_join(req, demand, room, parked=False):
+                self._park(req)
+                continue
             self.alloc_device_buffer(req)
             self._skip_first_backup[req.req_pool_idx] = True
             req.hisparse_staging = False
             ready.append(req)
+            room -= 1
         return ready
 
     # -------------------------------------------------------- hot buffers
@@ -481,12 +496,17 @@ class HiSparseCoordinator(ResidencyMixin):
     def admit_request_direct(self, req) -> None:
         """PD decode: KV already on host (req_to_host_pool filled by the prealloc)."""
         self._live[req.req_pool_idx] = req
+        self._join_from_host(req)
+
+    def _join_from_host(self, req) -> None:
+        """A fresh hot buffer for a request whose KV is all on host (PD decode,
+        parked): a short one is loaded whole, a long one starts empty."""
         self.alloc_device_buffer(req)
         n = self.host_token_len(req.kv_allocated_len)
         if n <= self.device_buffer_size:
             self._preload_to_device_buffer(req, n)
         else:
-            # Nothing resident: every top-k token is a miss served from host.
+            # Nothing on the device: every top-k token is a miss served from host.
             self.req_device_buffer_tokens[:, req.req_pool_idx, :] = -1
         req.hisparse_staging = False
         self._skip_first_backup[req.req_pool_idx] = True
@@ -651,17 +671,9 @@ class HiSparseCoordinator(ResidencyMixin):
             num_real_reqs=self.num_real_reqs,
             out=out,
             layout="c4" if self.is_dsv4_hisparse else "rows",
-            miss_src=self._miss_src[:bs],
-            miss_dst=self._miss_dst[:bs],
-            miss_count=self._miss_count[:bs],
+            tally=self._tally,
             **extra,
         )
-        # Counters stay on the device: no host sync on the decode path.
-        real = (self._row_ids[:bs] < self.num_real_reqs).to(torch.int64)
-        selected = (top_k_result[:, : self.top_k] >= 0).sum(1)
-        misses = (self._miss_count[:bs].to(torch.int64) * real).sum()
-        self._misses += misses
-        self._hits += (selected * real).sum() - misses
         return out
 
     def _host_rows(self, layer_id: int) -> torch.Tensor:
@@ -690,6 +702,7 @@ class HiSparseCoordinator(ResidencyMixin):
         self.ack_staging_queue = [s for s in self.ack_staging_queue if s.req is not req]
         self._host_wait = [r for r in self._host_wait if r is not req]
         self._ready = [r for r in self._ready if r is not req]
+        self._drop_parked(req)
         idx = req.req_pool_idx
         if idx not in self._resident_rows and int(self.req_device_buffer_size[idx]) > 0:
             # Demoted while waiting to join the batch: it holds a hot buffer.
@@ -758,4 +771,6 @@ class HiSparseCoordinator(ResidencyMixin):
         self.ack_staging_queue.clear()
         self._host_wait.clear()
         self._ready.clear()
+        self._parked.clear()
+        self._parked_slots.clear()
         self.mem_pool_host.destroy()

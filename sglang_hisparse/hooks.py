@@ -51,3 +51,42 @@ def scheduler_abort_request(original, self, recv_req):
                 if hit(req) and not req.finished():
                     req.to_finish = FINISH_ABORT()
     return original(self, recv_req)
+
+
+def scheduler_get_next_batch_to_run(original, self):
+    """AROUND ``Scheduler.get_next_batch_to_run`` (0.5.13 ``scheduler.py:2415``),
+    where ``collect_ready_reqs`` runs: on the first call, give the coordinator
+    a view of what the scheduler still has to prefill, so a staged request
+    waits on host while its hot buffer would starve a waiting prompt
+    (``sglang_hisparse.parking``). PD decode runs another loop and never
+    installs it: its requests are admitted straight from host."""
+    coord = getattr(self, "hisparse_coordinator", None)
+    if coord is not None and getattr(coord, "_prefill_demand", False) is None:
+        coord.set_prefill_demand(lambda: scheduler_prefill_demand(self))
+    return original(self)
+
+
+def scheduler_prefill_demand(scheduler):
+    """The scheduler's prefill work in the coordinator's terms. The next
+    waiting request is costed as ``PrefillAdder`` costs it: prompt, clipped
+    max_new_tokens, plus the running requests' expected future tokens."""
+    from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
+
+    from sglang_hisparse.parking import PrefillDemand
+
+    in_flight = 0
+    chunked = scheduler.chunked_req
+    if chunked is not None:
+        total = len(chunked.origin_input_ids) + len(chunked.output_ids)
+        in_flight = max(0, total - chunked.kv_allocated_len)
+    running = scheduler.running_batch.reqs
+    next_tokens = 0
+    if scheduler.waiting_queue and scheduler.req_to_token_pool.available_size() > 0:
+        req = scheduler.waiting_queue[0]
+        ahead = sum(min(r.sampling_params.max_new_tokens - len(r.output_ids), CLIP_MAX_NEW_TOKENS)
+                    for r in running)
+        next_tokens = (len(req.origin_input_ids) + len(req.output_ids)
+                       + min(req.sampling_params.max_new_tokens, CLIP_MAX_NEW_TOKENS)
+                       + int(ahead * scheduler.new_token_ratio) + 1)
+    room = scheduler.max_running_requests - len(running)
+    return PrefillDemand(in_flight, next_tokens, room)

@@ -33,11 +33,11 @@ from typing import Optional, Sequence
 
 import torch
 
+from sglang_hisparse.config import HOST_ALLOC_ENV
 from sglang_hisparse.config import HOST_ALLOC_MODES as MODES
 
 logger = logging.getLogger(__name__)
 
-HOST_ALLOC_ENV = "SGLANG_HISPARSE_HOST_ALLOC"
 DEFAULT_MODE = "cuda_host_alloc"
 
 _HUGE_PAGE = 2 << 20

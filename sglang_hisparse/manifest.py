@@ -247,6 +247,23 @@ ENTRIES: tuple[Entry, ...] = (
         removal="keep the staging part; the PD part is native from 0.5.22",
     ),
     Entry(
+        target=f"{_SCHED}.get_next_batch_to_run",
+        kind=Kind.AROUND,
+        sha256={"0.5.13": "d197e43e29d9c0b0938065419219defbff416b248216a817f7681d0323652ea2"},
+        why=(
+            "Parking needs the scheduler's pending prefill work (waiting queue, "
+            "chunked request, running batch) where collect_ready_reqs runs: a "
+            "staged request then waits on host instead of taking a hot buffer a "
+            "waiting prompt needs, so the batch is bounded by hot buffers, not "
+            "by prefill rows."
+        ),
+        native_in=None,
+        impl="sglang_hisparse.hooks:scheduler_get_next_batch_to_run",
+        upstream="none: 0.5.23 joins every staged request at once (srt/managers/scheduler.py:3923)",
+        scope=Scope.DATA_PLANE,
+        removal="keep while the data plane is ours",
+    ),
+    Entry(
         target=(
             "sglang.srt.managers.scheduler_components.pool_stats_observer."
             "PoolStats.get_decode_usage_msg_parts"

@@ -28,6 +28,7 @@ _GAUGES = {
         "hot_buffer_occupancy", "Allocated share of the running requests' hot buffers"),
     "sglang:hisparse_staging_reqs": ("staging_reqs", "Requests copying their prefill to host"),
     "sglang:hisparse_resident_reqs": ("resident_reqs", "Requests with their whole KV on the GPU"),
+    "sglang:hisparse_parked_reqs": ("parked_reqs", "Staged requests waiting on host for rows"),
 }
 
 
@@ -50,6 +51,7 @@ def format_stats(stats: dict) -> list[str]:
         f"hot buffer occupancy: {stats['hot_buffer_occupancy']:.2f}",
         f"#hisparse resident: {stats['resident_reqs']}",
         f"#hisparse demoted: {stats['demotions']}",
+        f"#hisparse parked: {stats['parked_reqs']}",
     ]
 
 

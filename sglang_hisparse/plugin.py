@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from sglang_hisparse import SUPPORTED_SGLANG_VERSIONS
+from sglang_hisparse.config import NATIVE_ENV
 from sglang_hisparse.manifest import ENTRIES, Entry, Kind, entries_for
 from sglang_hisparse.pinned_source import (
     TargetNotFound,
@@ -35,9 +36,8 @@ from sglang_hisparse.source_patch import (
 
 logger = logging.getLogger("sglang_hisparse")
 
-# Set to 1 to run SGLang's own HiSparse with only our argument handling and
+# NATIVE_ENV=1 runs SGLang's own HiSparse with only our argument handling and
 # fixes (the "native" arm of the benchmarks); our data plane stays out.
-NATIVE_ENV = "SGLANG_HISPARSE_NATIVE"
 
 
 @dataclass

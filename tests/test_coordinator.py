@@ -345,7 +345,7 @@ def test_manifest_entries_check_out():
     mine = [e for e in ENTRIES if e.impl and e.impl.startswith(("sglang_hisparse.coordinator",
                                                                  "sglang_hisparse.allocator",
                                                                  "sglang_hisparse.hooks"))]
-    assert len(mine) == 4 and all(e.scope is Scope.DATA_PLANE for e in mine)
+    assert len(mine) == 5 and all(e.scope is Scope.DATA_PLANE for e in mine)
     for e in mine:
         c = check_entry(e, "0.5.13")
         assert c.ok, (e.target, c.detail)

@@ -68,10 +68,14 @@ def _step(tag, gpu: SwapInCase, want: SwapInCase, plan: bool = True, **kw):
     bs, top_k = want.top_k_tokens.shape
     gplan = _plan(bs, top_k, "cuda") if plan else {}
     wplan = {k: v.cpu() for k, v in gplan.items()}
-    kernels.swap_in(*gpu.args(), layout=gpu.layout, **gplan, **kw)
-    ref.swap_in(*want.args(), layout=want.layout, **wplan, skip_io=kw.get("skip_io", False))
+    tally = torch.full((2,), 7, dtype=torch.int64, device="cuda")
+    want_tally = tally.cpu()
+    kernels.swap_in(*gpu.args(), layout=gpu.layout, **gplan, tally=tally, **kw)
+    ref.swap_in(*want.args(), layout=want.layout, **wplan, tally=want_tally,
+                skip_io=kw.get("skip_io", False))
     _compare(tag, gpu, want, gplan or None, wplan or None,
              rows_served=not kw.get("skip_io", False))
+    assert torch.equal(tally.cpu(), want_tally), f"{tag}: tally {tally.tolist()} vs {want_tally.tolist()}"
 
 
 def _seq_lens(bs: int, hot: int, offset: int, gen: random.Random) -> list[int]:

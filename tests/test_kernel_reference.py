@@ -151,6 +151,17 @@ def test_padded_rows_output_minus_one_and_change_nothing():
     assert plan["miss_count"].tolist() == [1, 0]
 
 
+def test_tally_counts_valid_entries_and_misses_of_real_rows():
+    # row 0: request 1, long: 13 hit, 20 newest, 5 and 6 miss, -1 and 99 invalid;
+    # row 1: request 2, short (fast path), 2 valid entries; row 2: padding.
+    case = _world(21, [[13, 20, 5, 6, -1, 99], [2, 0, -1, -1, -1, -1], [1, 2, 3, 4, 5, 6]],
+                  reqs=(1, 2, 0), lens=[21, 3, 21], num_real=2)
+    case["slot_tokens"][1, :5] = torch.tensor([10, 11, 12, 13, 20], dtype=torch.int32)
+    tally = torch.tensor([100, 10], dtype=torch.int64)
+    _run(case, tally=tally)
+    assert tally.tolist() == [100 + 4 + 2, 10 + 2]
+
+
 def test_multi_request_rows_are_independent():
     case = _world(21, [[13, 5], [2, 0]], reqs=(1, 2), lens=[21, 3])
     case["slot_tokens"][1, :5] = torch.tensor([10, 11, 12, 13, 20], dtype=torch.int32)

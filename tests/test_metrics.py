@@ -7,7 +7,7 @@ from sglang_hisparse import metrics
 STATS = {
     "hits": 300, "misses": 100, "host_bytes_read": 100 * 1152,
     "host_bytes_written": 4 << 20, "hot_buffer_occupancy": 0.5, "staging_reqs": 1,
-    "resident_reqs": 2, "demotions": 3,
+    "resident_reqs": 2, "demotions": 3, "parked_reqs": 4,
 }
 
 
@@ -46,4 +46,5 @@ def test_prometheus_counters_advance_by_deltas(monkeypatch):
     assert registry.get_sample_value("sglang:hisparse_topk_misses_total") == 150
     assert registry.get_sample_value("sglang:hisparse_hot_buffer_occupancy") == 0.5
     assert registry.get_sample_value("sglang:hisparse_resident_reqs") == 2
+    assert registry.get_sample_value("sglang:hisparse_parked_reqs") == 4
     assert registry.get_sample_value("sglang:hisparse_demotions_total") == 3

@@ -86,6 +86,7 @@ struct SwapInParams {
   const int32_t* resident;      // per request slot, nullptr when residency is off
   const int32_t* req_to_token;  // [R, r2t_stride] logical slot of each position
   const int64_t* token_to_row;  // logical slot -> device row
+  unsigned long long* tally;  // += {valid entries, misses} of real rows; nullptr: not counted
   int64_t r2t_stride;
   int64_t top_k_stride;
   int64_t out_stride;
@@ -184,6 +185,14 @@ __global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_const
 
   const int64_t limit = seq_len < p.max_ctx ? seq_len : p.max_ctx;  // valid positions: [0, limit)
   const int32_t* slot_locs = p.slot_locs + req * p.slot_locs_stride;
+
+  // Valid entries, for the hit/miss tally (block-uniform: p.tally and part are).
+  if (p.tally != nullptr && part == 0) {
+    int valid = 0;
+#pragma unroll
+    for (int k = 0; k < kTopKPerThread; ++k) valid += __syncthreads_count(tok[k] >= 0 && tok[k] < limit);
+    if (tid == 0 && valid > 0) atomicAdd(p.tally, static_cast<unsigned long long>(valid));
+  }
 
   // Resident request: translate positions, nothing to resolve or copy.
   if (p.resident != nullptr && p.resident[req] != 0) {
@@ -459,6 +468,9 @@ __global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_const
   if constexpr (kRecordPlan) {
     if (part == 0 && tid == 0) p.miss_count[row] = misses;
   }
+  if (p.tally != nullptr && part == 0 && tid == 0 && misses > 0) {
+    atomicAdd(p.tally + 1, static_cast<unsigned long long>(misses));
+  }
 
   if (first_k >= 0 && first_dst >= 0) {
     if constexpr (!kSkipIO) IO::store(staged, p.device_kv, p.device_kv_stride, first_dst, lane);
@@ -532,6 +544,7 @@ struct SwapIn {
       tvm::ffi::TensorView resident,
       tvm::ffi::TensorView req_to_token,
       tvm::ffi::TensorView token_to_row,
+      tvm::ffi::TensorView tally,
       int64_t split) {
     using namespace host;
     auto BS = SymbolicSize{"batch"};
@@ -600,6 +613,10 @@ struct SwapIn {
       params.req_to_token = static_cast<const int32_t*>(req_to_token.data_ptr());
       params.token_to_row = static_cast<const int64_t*>(token_to_row.data_ptr());
       params.r2t_stride = R2.unwrap();
+    }
+    if (tally.size(0) > 0) {
+      TensorMatcher({2}).with_dtype<int64_t>().with_device(cuda).verify(tally);
+      params.tally = static_cast<unsigned long long*>(tally.data_ptr());
     }
     if (bs == 0) return;
 

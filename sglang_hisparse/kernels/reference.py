@@ -44,6 +44,9 @@ seq_lens[b]``, entries ``t = top_k_tokens[b, j]``):
 9. Miss plan, when requested: ``miss_src[b, m]`` = host row,
    ``miss_dst[b, m]`` = device row of miss ``m``, ``miss_count[b]`` = number
    of misses (entries past the count are left untouched).
+10. Tally, when given: ``tally[0]`` grows by the number of valid entries
+   and ``tally[1]`` by the number of misses of the real rows (int64; the
+   data plane's running hit/miss counts, kept on the device).
 
 Row layouts (``layout``): ``"rows"`` - a row is ``host_kv.size(1)`` bytes at
 row index * stride; ``"dsv4_c4"`` (alias ``"c4"``) - DeepSeek-V4 C4 pages of
@@ -150,6 +153,7 @@ def swap_in(
     resident: Optional[torch.Tensor] = None,
     req_to_token: Optional[torch.Tensor] = None,
     token_to_row: Optional[torch.Tensor] = None,
+    tally: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Reference swap-in; see the module docstring for the rules.
 
@@ -161,8 +165,8 @@ def swap_in(
     optional miss plan: miss_src int64 [>= bs, >= K], miss_dst int32 (same
     shape), miss_count int32 [>= bs]; optional residency (rule 8): resident
     int32 [R], req_to_token int32 [R, ctx], token_to_row int64 [logical
-    slots]. Mutates out, slot_tokens, lru,
-    device_kv and the plan; returns out. ``blocks_per_req``, ``block_size``
+    slots]; optional tally int64 [2] (rule 10). Mutates out, slot_tokens,
+    lru, device_kv, the plan and the tally; returns out. ``blocks_per_req``, ``block_size``
     and ``workspace`` only tune the CUDA launch and are ignored here.
     """
     del blocks_per_req, block_size, workspace
@@ -191,6 +195,8 @@ def swap_in(
         valid = (toks >= 0) & (toks < min(seq_len, max_ctx))
         locs = slot_locs[r].to(dev)
         safe = torch.where(valid, toks, torch.zeros_like(toks))
+        if tally is not None:
+            tally[0] += valid.sum().to(tally.device)
 
         if resident is not None and int(resident[r]) != 0:  # rule 8
             rows = token_to_row[req_to_token[r].to(dev)[safe].to(torch.int64)].to(torch.int32)
@@ -256,6 +262,8 @@ def swap_in(
         )
         if not skip_io:
             copy_rows(host_kv, src_rows, device_kv, dst_rows, layout)
+        if tally is not None:
+            tally[1] += n_miss
         if record:
             miss_src[b, :n_miss] = src_rows.to(miss_src.device)
             miss_dst[b, :n_miss] = dst_rows.to(device=miss_dst.device, dtype=miss_dst.dtype)

@@ -432,6 +432,7 @@ def swap_in(
     resident: Optional[torch.Tensor] = None,
     req_to_token: Optional[torch.Tensor] = None,
     token_to_row: Optional[torch.Tensor] = None,
+    tally: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Resolve one layer's top-k against the hot buffers; load misses; fill ``out``.
 
@@ -443,7 +444,10 @@ def swap_in(
     >= batch entries). ``skip_io`` resolves and updates state but moves no
     KV bytes (a timing probe). ``resident``/``req_to_token``/``token_to_row``
     (together) translate resident requests' positions instead (reference
-    rule 8). Returns ``out``.
+    rule 8). ``tally`` (int64 [2]) accumulates valid entries and misses
+    (rule 10) with one atomic add each per request, in place of counting
+    ops after every launch.
+    Returns ``out``.
     """
     _check_tensor("top_k_tokens", top_k_tokens, dtypes=(torch.int32,), ndim=2)
     if not top_k_tokens.is_cuda:
@@ -481,6 +485,10 @@ def swap_in(
     _check_sizes(top_k, hot, item_bytes, layout)
     record = _check_plan(miss_src, miss_dst, miss_count, bs, top_k, device)
     residency = _check_residency(resident, req_to_token, token_to_row, max_reqs, device)
+    if tally is not None:
+        _check_tensor("tally", tally, dtypes=(torch.int64,), ndim=1, device=device)
+        if tally.numel() != 2:
+            _fail("tally", f"expected 2 elements (valid entries, misses), got {tally.numel()}")
 
     threads = block_size if block_size is not None else default_block_size(hot)
     _check_block_size(threads, top_k, hot)
@@ -520,6 +528,7 @@ def swap_in(
         resident if residency else empty,
         req_to_token if residency else empty,
         token_to_row if residency else empty,
+        tally if tally is not None else empty,
         split,
     )
     return out

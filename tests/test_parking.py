@@ -1,0 +1,171 @@
+"""Parking: a staged request waits on host, holding no device row, while a
+waiting prompt needs the rows; it joins later with a fresh hot buffer.
+Real SGLang pools on CPU; every test counts every pool back to the start."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from dataplane_fixtures import PS, get_tag, make_req, release
+from test_coordinator import HOT, Env
+from test_residency import swap
+from sglang_hisparse.parking import PrefillDemand
+
+P = HOT + PS
+
+
+def parking_env(demand, phys=1024, residency=False):
+    env = Env(phys=phys, ratio=4, residency=residency)
+    env.coord.set_prefill_demand(lambda: demand[0])
+    return env
+
+
+def test_parks_while_a_prompt_needs_the_rows_then_joins_from_host():
+    demand = [PrefillDemand(0, 900, 8)]
+    env = parking_env(demand)
+    a = env.staged("a", 300)  # 320 rows; joining would leave 1024 - 192 = 832 < 900
+    assert env.coord.collect_ready_reqs() == []
+    assert a.hisparse_staging and env.coord.staged_requests() == [a]
+    assert env.coord.has_ongoing_staging()
+    assert env.alloc.physical_available_size() == 1024  # holds no device row
+    assert env.alloc.available_size() == 1024  # and is owed none
+    host_rows = env.coord.req_to_host_pool[a.req_pool_idx, :300]
+    assert get_tag(env.host.kv_buffer[1], host_rows) == list(range(300))
+    assert env.coord.get_hisparse_stats()["parked_reqs"] == 1
+
+    demand[0] = PrefillDemand(0, 0, 8)  # the queue is prefilled
+    assert env.coord.collect_ready_reqs() == [a] and not a.hisparse_staging
+    assert int(env.coord.req_device_buffer_size[a.req_pool_idx]) == P
+    assert bool((env.coord.req_device_buffer_tokens[:, a.req_pool_idx] == -1).all())
+    rpi, seq = env.decode([a])  # no write-through: staging covered token 299
+    picks = [[0, 150, 299, 300]]
+    assert swap(env, [a], rpi, seq, picks) == picks
+    assert env.coord.get_hisparse_stats()["misses"] == 3  # all but the newest token
+    env.decode([a])
+    assert get_tag(env.host.kv_buffer[1], env.coord.req_to_host_pool[a.req_pool_idx, 300:301]) == [300]
+    env.finish(a)
+    assert env.drained()
+
+
+def test_a_short_parked_request_is_loaded_whole():
+    demand = [PrefillDemand(0, 1000, 8)]
+    env = parking_env(demand)
+    a = env.staged("a", 60)
+    assert env.coord.collect_ready_reqs() == [] and env.coord._parked == [a]
+    demand[0] = PrefillDemand(0, 0, 8)
+    assert env.coord.collect_ready_reqs() == [a]
+    rpi, seq = env.decode([a])
+    picks = [[0, 30, 59, 60]]
+    assert swap(env, [a], rpi, seq, picks) == picks
+    assert env.coord.get_hisparse_stats()["misses"] == 0  # preloaded from host
+    env.finish(a)
+    assert env.drained()
+
+
+def test_room_caps_joins():
+    demand = [PrefillDemand(0, 0, 0)]  # the running batch is at max_running_requests
+    env = parking_env(demand)
+    a = env.staged("a", 300)
+    assert env.coord.collect_ready_reqs() == [] and env.coord._parked == [a]
+    demand[0] = PrefillDemand(0, 0, 1)
+    assert env.coord.collect_ready_reqs() == [a]
+    env.finish(a)
+    assert env.drained()
+
+
+def test_an_aborted_parked_request_joins_first_and_aborts_return_everything():
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    demand = [PrefillDemand(0, 900, 8)]
+    env = parking_env(demand)
+    a = env.staged("a", 300)
+    b = env.staged("b", 400)
+    c = env.staged("c", 200)
+    assert env.coord.collect_ready_reqs() == [] and env.coord._parked == [a, b, c]
+    b.to_finish = FINISH_ABORT()  # the abort hook's mark
+    assert env.coord.collect_ready_reqs() == [b]  # one step finishes it
+    env.finish(b)
+    env.coord.abort_staging_request(a)  # aborted while parked: released at once
+    release(env.r2t, env.alloc, a)
+    assert env.coord._parked == [c]
+    env.coord.retract_req(c)
+    release(env.r2t, env.alloc, c)
+    assert not env.coord.has_ongoing_staging()
+    assert env.drained()
+
+
+def _serve(env, prompts, steps, parking):
+    """A scheduler in miniature: prefill has priority (one prompt per
+    iteration when its rows are available), else one decode step of the
+    running batch; each request decodes ``steps`` tokens."""
+    waiting = [make_req(f"r{i}", n) for i, n in enumerate(prompts)]
+    page_up = lambda n: -(-n // PS) * PS
+    need = lambda r: page_up(len(r.origin_input_ids)) + PS
+    if parking:
+        env.coord.set_prefill_demand(
+            lambda: PrefillDemand(0, need(waiting[0]) if waiting else 0, 8 - len(running)))
+    running, left, most = [], {}, 0
+    from dataplane_fixtures import prefill
+
+    while waiting or running or env.coord.has_ongoing_staging():
+        for r in env.coord.collect_ready_reqs():
+            running.append(r)
+            left[r.rid] = steps
+        most = max(most, len(running))
+        if waiting and env.r2t.available_size() and env.alloc.available_size() >= need(waiting[0]):
+            req = waiting.pop(0)
+            prefill(env.r2t, env.alloc, req, len(req.origin_input_ids), pool=env.pool)
+            # The request is no longer waiting when prefill ends.
+            env.coord.admit_request_into_staging(req)
+            continue
+        if running:
+            env.decode(running)
+            for r in list(running):
+                left[r.rid] -= 1
+                if left[r.rid] == 0:
+                    running.remove(r)
+                    env.finish(r)
+    return most
+
+
+@pytest.mark.parametrize("residency", [False, True])
+@pytest.mark.parametrize("parking", [True, False])
+def test_the_batch_grows_to_what_hot_buffers_allow(parking, residency):
+    # 1024 rows, 600-token prompts admitted at 704 rows, 192-row hot
+    # buffers. Without parking a prompt can only be admitted beside
+    # (1024 - 704) // 192 = 1 hot buffer, so at most 2 run; with it the
+    # prompts are prefilled first and 1024 // 192 = 5 run at once.
+    env = Env(phys=1024, ratio=8, residency=residency)
+    most = _serve(env, [600] * 8, steps=6, parking=parking)
+    assert most == (5 if parking else 2)
+    assert env.drained() and not env.coord.has_ongoing_staging()
+
+
+def test_scheduler_demand_costs_the_next_prompt_like_prefill_adder():
+    from sglang_hisparse.hooks import scheduler_prefill_demand
+
+    chunked = make_req("chunked", 1000)
+    chunked.kv_allocated_len = 512
+    runner = make_req("running", 50)
+    runner.output_ids = [1, 2, 3, 4]  # 16 - 4 = 12 tokens still to come
+    waiting = make_req("waiting", 600)
+    free_slots = [1]
+    scheduler = SimpleNamespace(
+        chunked_req=chunked, running_batch=SimpleNamespace(reqs=[runner]),
+        waiting_queue=[waiting], new_token_ratio=0.5, max_running_requests=4,
+        req_to_token_pool=SimpleNamespace(available_size=lambda: free_slots[0]),
+    )
+    assert scheduler_prefill_demand(scheduler) == PrefillDemand(488, 600 + 16 + 6 + 1, 3)
+    free_slots[0] = 0  # no request slot: the waiting prompt cannot be admitted
+    scheduler.chunked_req = None
+    assert scheduler_prefill_demand(scheduler) == PrefillDemand(0, 0, 3)
+
+
+def test_parking_off_joins_at_once(monkeypatch):
+    monkeypatch.setenv("SGLANG_HISPARSE_PARKING", "0")
+    demand = [PrefillDemand(0, 900, 8)]
+    env = parking_env(demand)
+    a = env.staged("a", 300)
+    assert env.coord.collect_ready_reqs() == [a]  # the waiting prompt is ignored
+    env.finish(a)
+    assert env.drained()
