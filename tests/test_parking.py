@@ -2,6 +2,7 @@
 waiting prompt needs the rows; it joins later with a fresh hot buffer.
 Real SGLang pools on CPU; every test counts every pool back to the start."""
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -152,7 +153,8 @@ def test_scheduler_demand_costs_the_next_prompt_like_prefill_adder():
     free_slots = [1]
     scheduler = SimpleNamespace(
         chunked_req=chunked, running_batch=SimpleNamespace(reqs=[runner]),
-        waiting_queue=[waiting], new_token_ratio=0.5, max_running_requests=4,
+        waiting_queue=[waiting], new_token_ratio_tracker=SimpleNamespace(current=0.5),
+        max_running_requests=4,
         req_to_token_pool=SimpleNamespace(available_size=lambda: free_slots[0]),
     )
     assert scheduler_prefill_demand(scheduler) == PrefillDemand(488, 600 + 16 + 6 + 1, 3)
@@ -169,3 +171,17 @@ def test_parking_off_joins_at_once(monkeypatch):
     assert env.coord.collect_ready_reqs() == [a]  # the waiting prompt is ignored
     env.finish(a)
     assert env.drained()
+
+
+def test_scheduler_demand_reads_attributes_the_pinned_scheduler_sets():
+    # The stand-in above mirrors these; the real Scheduler cannot be built on CPU.
+    from sglang_hisparse.pinned_source import installed_sglang_root
+
+    managers = installed_sglang_root() / "sglang" / "srt" / "managers"
+    text = "".join(p.read_text() for p in managers.glob("scheduler*.py"))
+    for name in ("chunked_req", "running_batch", "waiting_queue", "new_token_ratio_tracker",
+                 "max_running_requests", "req_to_token_pool"):
+        # assigned alone, annotated, or unpacked from a tuple
+        assert re.search(rf"self\.{name}\s*[=:,]", text), name
+    tracker = (managers / "scheduler_components" / "new_token_ratio_tracker.py").read_text()
+    assert "    current: float" in tracker
