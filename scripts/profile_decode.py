@@ -113,6 +113,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     tag = f"{args.config}_{args.reqs}x{args.prompt}"
     prof_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"prof_{tag}"  # traces are large
     prof_dir.mkdir(parents=True, exist_ok=True)
@@ -138,6 +139,11 @@ def main(argv=None) -> int:
         stats = e2e_gpu.log_stats(log, 0)
         print(f"[{args.config}] {len(results)} done; decode step {stats['decode_step_ms']} ms, "
               f"running max {stats['max_running']}", flush=True)
+        # The trace is written after the last profiled step; give it time.
+        for _ in range(60):
+            if glob.glob(str(prof_dir / "*.trace.json*")):
+                break
+            time.sleep(1)
     finally:
         srv.stop()
     traces = sorted(glob.glob(str(prof_dir / "*.trace.json*")))
