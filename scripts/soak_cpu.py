@@ -183,7 +183,7 @@ class Sim:
         nxt = 0
         if self.waiting and self.r2t.available_size():
             nxt = self.page_up(self.waiting[0].sim_target) + self.ps
-        return PrefillDemand(in_flight, nxt, self.max_reqs - len(self.running))
+        return PrefillDemand(in_flight, nxt, len(self.running), self.max_reqs)
 
     # ------------------------------------------------------------- actions
     def try_prefill(self):

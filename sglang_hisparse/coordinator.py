@@ -449,20 +449,21 @@ class HiSparseCoordinator(ResidencyMixin, ParkingMixin):
             done = int(t.item())
         staged = [self.ack_staging_queue.pop(0).req for _ in range(done)]
         demand = self._demand() if (staged or self._parked) else None
-        room = demand.room - len(ready) if demand is not None else 0
+        # The batch as it will be: the running requests plus those joining now.
+        running = (demand.running if demand is not None else 0) + len(ready)
         # Parked requests first: they finished staging earlier.
-        joined = self._unpark(demand, room)
+        joined = self._unpark(demand, running)
         ready += joined
-        room -= len(joined)
+        running += len(joined)
         for req in staged:
-            if not self._may_join(req, demand, room, parked=False):
+            if not self._may_join(req, demand, running, parked=False):
                 self._park(req)
                 continue
             self.alloc_device_buffer(req)
             self._skip_first_backup[req.req_pool_idx] = True
             req.hisparse_staging = False
             ready.append(req)
-            room -= 1
+            running += 1
         return ready
 
     # -------------------------------------------------------- hot buffers

@@ -88,5 +88,4 @@ def scheduler_prefill_demand(scheduler):
         next_tokens = (len(req.origin_input_ids) + len(req.output_ids)
                        + min(req.sampling_params.max_new_tokens, CLIP_MAX_NEW_TOKENS)
                        + int(ahead * scheduler.new_token_ratio_tracker.current) + 1)
-    room = scheduler.max_running_requests - len(running)
-    return PrefillDemand(in_flight, next_tokens, room)
+    return PrefillDemand(in_flight, next_tokens, len(running), scheduler.max_running_requests)

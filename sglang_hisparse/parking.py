@@ -31,7 +31,8 @@ class PrefillDemand(NamedTuple):
 
     in_flight_rows: int  # rows the chunked prefill in progress still needs
     next_tokens: int  # what admitting the next waiting request asks of available_size(); 0: none
-    room: int  # requests the running batch may still take (max running - running)
+    running: int  # requests in the running batch
+    max_running: int  # the scheduler's max_running_requests
 
 
 class ParkingMixin:
@@ -52,11 +53,14 @@ class ParkingMixin:
         return demand is not None and (demand.in_flight_rows > 0 or demand.next_tokens > 0)
 
     def _rows_to_keep_free(self, demand: PrefillDemand) -> int:
+        alloc = self.token_to_kv_pool_allocator
         rows = demand.in_flight_rows
-        logical, _ = self.token_to_kv_pool_allocator.budgets()
-        # A waiting request that host space cannot admit anyway gets no rows
-        # held back for it (parked requests would wait for nothing).
-        if demand.next_tokens and demand.next_tokens + rows <= logical:
+        logical, _ = alloc.budgets()
+        # A waiting request that host space cannot admit now, or the device
+        # could never hold while it prefills, gets no rows held back for it
+        # (parked requests would wait for nothing).
+        fits = demand.next_tokens + rows <= min(logical, alloc.physical_size)
+        if demand.next_tokens and fits:
             rows += demand.next_tokens
         return rows
 
@@ -71,14 +75,18 @@ class ParkingMixin:
         held = self._page_up(req.fill_len)
         return physical + max(0, held - self.padded_buffer_size)
 
-    def _may_join(self, req, demand: Optional[PrefillDemand], room: int, parked: bool) -> bool:
+    def _may_join(self, req, demand: Optional[PrefillDemand], running: int, parked: bool) -> bool:
+        """``running``: the batch size counting the requests joined so far."""
         if demand is None:
             return not parked
-        if room <= 0:
+        if running >= demand.max_running:
             return False
         after = self._rows_after_joining(req, parked)
-        if req.to_finish is not None:  # aborted while parked: one step finishes it
-            return after >= 0
+        if req.to_finish is not None or running == 0:
+            # An aborted request needs one step to finish; an empty batch does
+            # not wait for a prompt (liveness: the prompt may never fit). The
+            # prefill in flight keeps its rows either way.
+            return after >= demand.in_flight_rows
         return after >= self._rows_to_keep_free(demand)
 
     def _park(self, req) -> None:
@@ -91,14 +99,14 @@ class ParkingMixin:
         self._parked.append(req)
         self._parked_slots.add(idx)
 
-    def _unpark(self, demand: Optional[PrefillDemand], room: int) -> List[object]:
+    def _unpark(self, demand: Optional[PrefillDemand], running: int) -> List[object]:
         """Parked requests that may join now, oldest first (aborted ones first)."""
         if not self._parked:
             return []
         order = sorted(self._parked, key=lambda r: r.to_finish is None)
         joined = []
         for req in order:
-            if not self._may_join(req, demand, room, parked=True):
+            if not self._may_join(req, demand, running, parked=True):
                 if req.to_finish is None:
                     break  # keep arrival order among the rest
                 continue
@@ -107,7 +115,7 @@ class ParkingMixin:
             self._parked_slots.discard(req.req_pool_idx)
             self._join_from_host(req)
             joined.append(req)
-            room -= 1
+            running += 1
         return joined
 
     def _drop_parked(self, req) -> None:

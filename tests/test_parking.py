@@ -22,7 +22,7 @@ def parking_env(demand, phys=1024, residency=False):
 
 
 def test_parks_while_a_prompt_needs_the_rows_then_joins_from_host():
-    demand = [PrefillDemand(0, 900, 8)]
+    demand = [PrefillDemand(0, 900, 1, 8)]  # one request decoding elsewhere
     env = parking_env(demand)
     a = env.staged("a", 300)  # 320 rows; joining would leave 1024 - 192 = 832 < 900
     assert env.coord.collect_ready_reqs() == []
@@ -34,7 +34,7 @@ def test_parks_while_a_prompt_needs_the_rows_then_joins_from_host():
     assert get_tag(env.host.kv_buffer[1], host_rows) == list(range(300))
     assert env.coord.get_hisparse_stats()["parked_reqs"] == 1
 
-    demand[0] = PrefillDemand(0, 0, 8)  # the queue is prefilled
+    demand[0] = PrefillDemand(0, 0, 1, 8)  # the queue is prefilled
     assert env.coord.collect_ready_reqs() == [a] and not a.hisparse_staging
     assert int(env.coord.req_device_buffer_size[a.req_pool_idx]) == P
     assert bool((env.coord.req_device_buffer_tokens[:, a.req_pool_idx] == -1).all())
@@ -49,11 +49,11 @@ def test_parks_while_a_prompt_needs_the_rows_then_joins_from_host():
 
 
 def test_a_short_parked_request_is_loaded_whole():
-    demand = [PrefillDemand(0, 1000, 8)]
+    demand = [PrefillDemand(0, 1000, 1, 8)]
     env = parking_env(demand)
     a = env.staged("a", 60)
     assert env.coord.collect_ready_reqs() == [] and env.coord._parked == [a]
-    demand[0] = PrefillDemand(0, 0, 8)
+    demand[0] = PrefillDemand(0, 0, 1, 8)
     assert env.coord.collect_ready_reqs() == [a]
     rpi, seq = env.decode([a])
     picks = [[0, 30, 59, 60]]
@@ -64,11 +64,11 @@ def test_a_short_parked_request_is_loaded_whole():
 
 
 def test_room_caps_joins():
-    demand = [PrefillDemand(0, 0, 0)]  # the running batch is at max_running_requests
+    demand = [PrefillDemand(0, 0, 8, 8)]  # the running batch is at max_running_requests
     env = parking_env(demand)
     a = env.staged("a", 300)
     assert env.coord.collect_ready_reqs() == [] and env.coord._parked == [a]
-    demand[0] = PrefillDemand(0, 0, 1)
+    demand[0] = PrefillDemand(0, 0, 7, 8)
     assert env.coord.collect_ready_reqs() == [a]
     env.finish(a)
     assert env.drained()
@@ -77,7 +77,7 @@ def test_room_caps_joins():
 def test_an_aborted_parked_request_joins_first_and_aborts_return_everything():
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
-    demand = [PrefillDemand(0, 900, 8)]
+    demand = [PrefillDemand(0, 900, 1, 8)]
     env = parking_env(demand)
     a = env.staged("a", 300)
     b = env.staged("b", 400)
@@ -95,6 +95,32 @@ def test_an_aborted_parked_request_joins_first_and_aborts_return_everything():
     assert env.drained()
 
 
+def test_an_empty_batch_takes_the_oldest_parked_request_whatever_waits():
+    # Liveness: with nothing decoding, waiting for a prompt that may never be
+    # admitted (host full, too long) could stall everything. One joins.
+    demand = [PrefillDemand(0, 900, 1, 8)]
+    env = parking_env(demand)
+    a = env.staged("a", 300)
+    b = env.staged("b", 300)
+    assert env.coord.collect_ready_reqs() == [] and env.coord._parked == [a, b]
+    demand[0] = PrefillDemand(0, 900, 0, 8)
+    assert env.coord.collect_ready_reqs() == [a]  # b would leave the prompt too few rows
+    assert env.coord._parked == [b]
+    demand[0] = PrefillDemand(600, 0, 0, 8)  # a prefill in flight keeps its rows
+    env.finish(a)
+    assert env.coord.collect_ready_reqs() == [b]
+    env.finish(b)
+    assert env.drained()
+
+
+def test_no_rows_are_held_for_a_prompt_the_device_cannot_hold():
+    env = parking_env([PrefillDemand(0, 2000, 1, 8)])  # 2000 > 1024 rows
+    a = env.staged("a", 300)
+    assert env.coord.collect_ready_reqs() == [a]
+    env.finish(a)
+    assert env.drained()
+
+
 def _serve(env, prompts, steps, parking):
     """A scheduler in miniature: prefill has priority (one prompt per
     iteration when its rows are available), else one decode step of the
@@ -104,7 +130,7 @@ def _serve(env, prompts, steps, parking):
     need = lambda r: page_up(len(r.origin_input_ids)) + PS
     if parking:
         env.coord.set_prefill_demand(
-            lambda: PrefillDemand(0, need(waiting[0]) if waiting else 0, 8 - len(running)))
+            lambda: PrefillDemand(0, need(waiting[0]) if waiting else 0, len(running), 8))
     running, left, most = [], {}, 0
     from dataplane_fixtures import prefill
 
@@ -157,15 +183,15 @@ def test_scheduler_demand_costs_the_next_prompt_like_prefill_adder():
         max_running_requests=4,
         req_to_token_pool=SimpleNamespace(available_size=lambda: free_slots[0]),
     )
-    assert scheduler_prefill_demand(scheduler) == PrefillDemand(488, 600 + 16 + 6 + 1, 3)
+    assert scheduler_prefill_demand(scheduler) == PrefillDemand(488, 600 + 16 + 6 + 1, 1, 4)
     free_slots[0] = 0  # no request slot: the waiting prompt cannot be admitted
     scheduler.chunked_req = None
-    assert scheduler_prefill_demand(scheduler) == PrefillDemand(0, 0, 3)
+    assert scheduler_prefill_demand(scheduler) == PrefillDemand(0, 0, 1, 4)
 
 
 def test_parking_off_joins_at_once(monkeypatch):
     monkeypatch.setenv("SGLANG_HISPARSE_PARKING", "0")
-    demand = [PrefillDemand(0, 900, 8)]
+    demand = [PrefillDemand(0, 900, 1, 8)]
     env = parking_env(demand)
     a = env.staged("a", 300)
     assert env.coord.collect_ready_reqs() == [a]  # the waiting prompt is ignored
