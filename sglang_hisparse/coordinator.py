@@ -423,7 +423,8 @@ class HiSparseCoordinator(ResidencyMixin, ParkingMixin):
 
     def staged_requests(self) -> List[object]:
         """Requests past prefill that are not in the running batch yet: copying
-        their prefill to host, waiting for host pages, or ready to join."""
+        their prefill to host, waiting for host pages, ready to join, or
+        parked on host."""
         return ([s.req for s in self.ack_staging_queue] + list(self._host_wait)
                 + list(self._ready) + list(self._parked))
 
