@@ -21,6 +21,13 @@ def parking_env(demand, phys=1024, residency=False):
     return env
 
 
+def park(env, **prompts):
+    """Stage requests (name=prompt length) that all end up parked."""
+    reqs = [env.staged(rid, n) for rid, n in prompts.items()]
+    assert env.coord.collect_ready_reqs() == [] and env.coord._parked == reqs
+    return reqs
+
+
 def test_parks_while_a_prompt_needs_the_rows_then_joins_from_host():
     demand = [PrefillDemand(0, 900, 1, 8)]  # one request decoding elsewhere
     env = parking_env(demand)
@@ -51,8 +58,7 @@ def test_parks_while_a_prompt_needs_the_rows_then_joins_from_host():
 def test_a_short_parked_request_is_loaded_whole():
     demand = [PrefillDemand(0, 1000, 1, 8)]
     env = parking_env(demand)
-    a = env.staged("a", 60)
-    assert env.coord.collect_ready_reqs() == [] and env.coord._parked == [a]
+    (a,) = park(env, a=60)
     demand[0] = PrefillDemand(0, 0, 1, 8)
     assert env.coord.collect_ready_reqs() == [a]
     rpi, seq = env.decode([a])
@@ -66,8 +72,7 @@ def test_a_short_parked_request_is_loaded_whole():
 def test_room_caps_joins():
     demand = [PrefillDemand(0, 0, 8, 8)]  # the running batch is at max_running_requests
     env = parking_env(demand)
-    a = env.staged("a", 300)
-    assert env.coord.collect_ready_reqs() == [] and env.coord._parked == [a]
+    (a,) = park(env, a=300)
     demand[0] = PrefillDemand(0, 0, 7, 8)
     assert env.coord.collect_ready_reqs() == [a]
     env.finish(a)
@@ -79,10 +84,7 @@ def test_an_aborted_parked_request_joins_first_and_aborts_return_everything():
 
     demand = [PrefillDemand(0, 900, 1, 8)]
     env = parking_env(demand)
-    a = env.staged("a", 300)
-    b = env.staged("b", 400)
-    c = env.staged("c", 200)
-    assert env.coord.collect_ready_reqs() == [] and env.coord._parked == [a, b, c]
+    a, b, c = park(env, a=300, b=400, c=200)
     b.to_finish = FINISH_ABORT()  # the abort hook's mark
     assert env.coord.collect_ready_reqs() == [b]  # one step finishes it
     env.finish(b)
@@ -100,9 +102,7 @@ def test_an_empty_batch_takes_the_oldest_parked_request_whatever_waits():
     # admitted (host full, too long) could stall everything. One joins.
     demand = [PrefillDemand(0, 900, 1, 8)]
     env = parking_env(demand)
-    a = env.staged("a", 300)
-    b = env.staged("b", 300)
-    assert env.coord.collect_ready_reqs() == [] and env.coord._parked == [a, b]
+    a, b = park(env, a=300, b=300)
     demand[0] = PrefillDemand(0, 900, 0, 8)
     assert env.coord.collect_ready_reqs() == [a]  # b would leave the prompt too few rows
     assert env.coord._parked == [b]
