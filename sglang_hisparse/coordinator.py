@@ -254,6 +254,7 @@ class HiSparseCoordinator(ResidencyMixin, ParkingMixin):
         self._parked: List[object] = []
         self._parked_slots = set()
         self._prefill_demand = None
+        self.prefill_demand_installed = False
         self.parking = os.environ.get(PARKING_ENV, "1") != "0"
         self.demotions = 0
 

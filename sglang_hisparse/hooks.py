@@ -61,7 +61,7 @@ def scheduler_get_next_batch_to_run(original, self):
     (``sglang_hisparse.parking``). PD decode runs another loop and never
     installs it: its requests are admitted straight from host."""
     coord = getattr(self, "hisparse_coordinator", None)
-    if coord is not None and getattr(coord, "_prefill_demand", False) is None:
+    if coord is not None and getattr(coord, "prefill_demand_installed", True) is False:
         coord.set_prefill_demand(lambda: scheduler_prefill_demand(self))
     return original(self)
 

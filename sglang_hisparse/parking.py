@@ -39,6 +39,7 @@ class ParkingMixin:
     def set_prefill_demand(self, provider: Optional[Callable[[], PrefillDemand]]) -> None:
         """Install the scheduler's view (None, or parking switched off: no parking)."""
         self._prefill_demand = provider if self.parking else None
+        self.prefill_demand_installed = True
 
     def _demand(self) -> Optional[PrefillDemand]:
         provider = getattr(self, "_prefill_demand", None)

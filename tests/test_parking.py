@@ -211,3 +211,17 @@ def test_scheduler_demand_reads_attributes_the_pinned_scheduler_sets():
         assert re.search(rf"self\.{name}\s*[=:,]", text), name
     tracker = (managers / "scheduler_components" / "new_token_ratio_tracker.py").read_text()
     assert "    current: float" in tracker
+
+
+@pytest.mark.parametrize("parking", ["1", "0"])
+def test_the_hook_installs_the_scheduler_view_once(monkeypatch, parking):
+    from sglang_hisparse.hooks import scheduler_get_next_batch_to_run
+
+    monkeypatch.setenv("SGLANG_HISPARSE_PARKING", parking)
+    env = Env(phys=1024, ratio=4)
+    scheduler = SimpleNamespace(hisparse_coordinator=env.coord)
+    assert scheduler_get_next_batch_to_run(lambda s: "batch", scheduler) == "batch"
+    first = env.coord._prefill_demand
+    assert (first is not None) == (parking == "1") and env.coord.prefill_demand_installed
+    scheduler_get_next_batch_to_run(lambda s: None, scheduler)
+    assert env.coord._prefill_demand is first  # not rebuilt every step
