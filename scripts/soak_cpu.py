@@ -226,7 +226,7 @@ class Sim:
         self.stats["staged"] += 1
 
     def collect(self):
-        parked = set(self.coord._parked)
+        parked = set(self.coord.parked_requests())
         for req in self.coord.collect_ready_reqs():
             self.staging.remove(req)
             self.running.append(req)
@@ -237,7 +237,7 @@ class Sim:
             for m in models:
                 m.reset_resident(start)
             self.models[req] = models
-        self.stats["parked"] += len(set(self.coord._parked) - parked)
+        self.stats["parked"] += len(set(self.coord.parked_requests()) - parked)
         self.stats["host_wait_max"] = max(self.stats["host_wait_max"], len(self.coord._host_wait))
 
     def decode(self):

@@ -251,8 +251,7 @@ class HiSparseCoordinator(ResidencyMixin, ParkingMixin):
         self._resident_rows: Dict[int, int] = {}
         self._ready: List[object] = []  # past prefill, not staged, not yet collected
         # Parking: staged requests waiting on host, holding no device row.
-        self._parked: List[object] = []
-        self._parked_slots = set()
+        self._parked: Dict[int, object] = {}  # req_pool_idx -> request, oldest first
         self._prefill_demand = None
         self.prefill_demand_installed = False
         self.parking = os.environ.get(PARKING_ENV, "1") != "0"
@@ -308,7 +307,7 @@ class HiSparseCoordinator(ResidencyMixin, ParkingMixin):
         for idx, req in self._live.items():
             if idx in self._resident_rows:
                 held = self._resident_rows[idx]
-            elif idx in self._parked_slots:
+            elif idx in self._parked:
                 held = P  # claims rows only when it joins (checked then)
             elif getattr(req, "hisparse_staging", False):
                 # Rows it still holds from prefill, in this pool's units (C4 rows for V4).
@@ -427,7 +426,7 @@ class HiSparseCoordinator(ResidencyMixin, ParkingMixin):
         their prefill to host, waiting for host pages, ready to join, or
         parked on host."""
         return ([s.req for s in self.ack_staging_queue] + list(self._host_wait)
-                + list(self._ready) + list(self._parked))
+                + list(self._ready) + list(self._parked.values()))
 
     def has_ongoing_staging(self) -> bool:
         return bool(self.ack_staging_queue or self._host_wait or self._ready or self._parked)
@@ -716,15 +715,20 @@ class HiSparseCoordinator(ResidencyMixin, ParkingMixin):
             self.write_staging_stream.synchronize()
         if self._live.get(idx) is req:
             del self._live[idx]
-        logical = self.req_to_token_pool.req_to_token[idx, : req.fill_len].to(torch.int64)
+        self._free_prefill_rows(req)
+        self._reset_rows(idx)
+        req.hisparse_staging = False
+
+    def _free_prefill_rows(self, req) -> None:
+        """Free the device rows a request's prefill still holds (none once parked)."""
+        logical = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.fill_len]
+        logical = logical.to(torch.int64)
         if self.is_dsv4_hisparse:
             # free_hisparse takes full ids; the C4 rows are keyed by compressed ids.
             compressed = self.mem_pool_device.translate_loc_from_full_to_compressed(logical)
             self.token_to_kv_pool_allocator.free_compressed(compressed)
         else:
             self.token_to_kv_pool_allocator.free_hisparse(logical)
-        self._reset_rows(idx)
-        req.hisparse_staging = False
 
     def retract_req(self, req) -> None:
         if getattr(req, "hisparse_staging", False):
@@ -775,5 +779,4 @@ class HiSparseCoordinator(ResidencyMixin, ParkingMixin):
         self._host_wait.clear()
         self._ready.clear()
         self._parked.clear()
-        self._parked_slots.clear()
         self.mem_pool_host.destroy()

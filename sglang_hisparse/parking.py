@@ -17,7 +17,8 @@ the waiting queue). Without a provider (PD decode, unit tests that do not
 set one) nothing parks: a staged request joins as soon as its copy is done.
 
 Mixed into :class:`sglang_hisparse.coordinator.HiSparseCoordinator`; uses
-its tables, ``_live``, ``alloc_device_buffer`` and the allocator budgets.
+its ``_parked`` (slot -> request, oldest first), ``_free_prefill_rows``,
+``_join_from_host`` and the allocator budgets.
 Colocated DSA only (DeepSeek-V4's C4 rows keep the plain staging path).
 """
 
@@ -53,22 +54,25 @@ class ParkingMixin:
         demand = self._demand()
         return demand is not None and (demand.in_flight_rows > 0 or demand.next_tokens > 0)
 
-    def _rows_to_keep_free(self, demand: PrefillDemand) -> int:
-        alloc = self.token_to_kv_pool_allocator
+    def parked_requests(self) -> List[object]:
+        """Parked requests, oldest first."""
+        return list(self._parked.values())
+
+    def _rows_to_keep_free(self, demand: PrefillDemand, logical: int) -> int:
+        """``logical``: the allocator's logical budget (host space) now."""
         rows = demand.in_flight_rows
-        logical, _ = alloc.budgets()
         # A waiting request that host space cannot admit now, or the device
         # could never hold while it prefills, gets no rows held back for it
         # (parked requests would wait for nothing).
-        fits = demand.next_tokens + rows <= min(logical, alloc.physical_size)
+        device = self.token_to_kv_pool_allocator.physical_size
+        fits = demand.next_tokens + rows <= min(logical, device)
         if demand.next_tokens and fits:
             rows += demand.next_tokens
         return rows
 
-    def _rows_after_joining(self, req, parked: bool) -> int:
-        """The physical budget (free rows less those owed, plus what demotion
-        frees) once ``req`` holds its hot buffer."""
-        _, physical = self.token_to_kv_pool_allocator.budgets()
+    def _rows_after_joining(self, req, parked: bool, physical: int) -> int:
+        """The physical budget (``physical`` now: free rows less those owed,
+        plus what demotion frees) once ``req`` holds its hot buffer."""
         if parked:
             return physical - self.padded_buffer_size
         # A staged request turns its prefill rows into the hot buffer; a
@@ -82,29 +86,27 @@ class ParkingMixin:
             return not parked
         if running >= demand.max_running:
             return False
-        after = self._rows_after_joining(req, parked)
+        logical, physical = self.token_to_kv_pool_allocator.budgets()
+        after = self._rows_after_joining(req, parked, physical)
         if req.to_finish is not None or running == 0:
             # An aborted request needs one step to finish; an empty batch does
             # not wait for a prompt (liveness: the prompt may never fit). The
             # prefill in flight keeps its rows either way.
             return after >= demand.in_flight_rows
-        return after >= self._rows_to_keep_free(demand)
+        return after >= self._rows_to_keep_free(demand, logical)
 
     def _park(self, req) -> None:
         """Staging finished: free every device row of the request (its KV is on
         host) and let it wait outside the batch."""
-        idx = req.req_pool_idx
-        logical = self.req_to_token_pool.req_to_token[idx, : req.fill_len]
-        self.token_to_kv_pool_allocator.free_hisparse(logical.long())
+        self._free_prefill_rows(req)
         req.hisparse_staging = True  # aborts and retracts treat it as staging
-        self._parked.append(req)
-        self._parked_slots.add(idx)
+        self._parked[req.req_pool_idx] = req
 
     def _unpark(self, demand: Optional[PrefillDemand], running: int) -> List[object]:
         """Parked requests that may join now, oldest first (aborted ones first)."""
         if not self._parked:
             return []
-        order = sorted(self._parked, key=lambda r: r.to_finish is None)
+        order = sorted(self._parked.values(), key=lambda r: r.to_finish is None)
         joined = []
         for req in order:
             if not self._may_join(req, demand, running, parked=True):
@@ -112,14 +114,12 @@ class ParkingMixin:
                     break  # keep arrival order among the rest
                 continue
             self.token_to_kv_pool_allocator.make_rows_available(self.padded_buffer_size)
-            self._parked.remove(req)
-            self._parked_slots.discard(req.req_pool_idx)
+            del self._parked[req.req_pool_idx]
             self._join_from_host(req)
             joined.append(req)
             running += 1
         return joined
 
     def _drop_parked(self, req) -> None:
-        if req.req_pool_idx in self._parked_slots:
-            self._parked.remove(req)
-            self._parked_slots.discard(req.req_pool_idx)
+        if self._parked.get(req.req_pool_idx) is req:
+            del self._parked[req.req_pool_idx]

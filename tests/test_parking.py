@@ -24,7 +24,7 @@ def parking_env(demand, phys=1024, residency=False):
 def park(env, **prompts):
     """Stage requests (name=prompt length) that all end up parked."""
     reqs = [env.staged(rid, n) for rid, n in prompts.items()]
-    assert env.coord.collect_ready_reqs() == [] and env.coord._parked == reqs
+    assert env.coord.collect_ready_reqs() == [] and env.coord.parked_requests() == reqs
     return reqs
 
 
@@ -90,7 +90,7 @@ def test_an_aborted_parked_request_joins_first_and_aborts_return_everything():
     env.finish(b)
     env.coord.abort_staging_request(a)  # aborted while parked: released at once
     release(env.r2t, env.alloc, a)
-    assert env.coord._parked == [c]
+    assert env.coord.parked_requests() == [c]
     env.coord.retract_req(c)
     release(env.r2t, env.alloc, c)
     assert not env.coord.has_ongoing_staging()
@@ -105,7 +105,7 @@ def test_an_empty_batch_takes_the_oldest_parked_request_whatever_waits():
     a, b = park(env, a=300, b=300)
     demand[0] = PrefillDemand(0, 900, 0, 8)
     assert env.coord.collect_ready_reqs() == [a]  # b would leave the prompt too few rows
-    assert env.coord._parked == [b]
+    assert env.coord.parked_requests() == [b]
     demand[0] = PrefillDemand(600, 0, 0, 8)  # a prefill in flight keeps its rows
     env.finish(a)
     assert env.coord.collect_ready_reqs() == [b]
