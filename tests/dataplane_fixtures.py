@@ -56,6 +56,23 @@ def prefill(r2t, alloc, req, n, pool=None, tag=None):
     return out
 
 
+def decode_step(r2t, alloc, coord, reqs):
+    """One decode step up to the forward pass: a new slot per request as
+    alloc_for_decode makes it, then the coordinator's map_last_loc_to_buffer
+    (0.5.13 passes no CPU indices). Returns (req_pool_indices, new seq_lens,
+    new logical slots)."""
+    rpi = t64(*[r.req_pool_idx for r in reqs])
+    seq = t64(*[r.kv_allocated_len for r in reqs])
+    last = r2t.req_to_token[rpi, seq - 1].to(torch.int64)
+    out = alloc.alloc_decode(seq + 1, seq + 1, last)
+    r2t.req_to_token[rpi, seq] = out.to(torch.int32)
+    for r in reqs:
+        r.kv_allocated_len += 1
+    seq = seq + 1
+    coord.map_last_loc_to_buffer(seq, out, rpi, seq.clone(), None)
+    return rpi, seq, out
+
+
 def release(r2t, alloc, req):
     """release_kv_cache for a radix-free cache."""
     alloc.free(r2t.req_to_token[req.req_pool_idx, : req.kv_allocated_len].to(torch.int64))

@@ -8,7 +8,9 @@ shutdown.
 import pytest
 import torch
 
-from dataplane_fixtures import get_tag, put_tag, PS, dsa_pool, free_counts, make_req, prefill, release, req_pool, t64
+from dataplane_fixtures import (
+    PS, decode_step, dsa_pool, free_counts, get_tag, make_req, prefill, put_tag, release, req_pool, t64,
+)
 from sglang_hisparse.allocator import HiSparseDualAllocator
 from sglang_hisparse.coordinator import HiSparseCoordinator
 
@@ -36,15 +38,7 @@ class Env:
         return req
 
     def decode(self, reqs):
-        rpi = t64(*[r.req_pool_idx for r in reqs])
-        seq = t64(*[r.kv_allocated_len for r in reqs])
-        last = self.r2t.req_to_token[rpi, seq - 1].to(torch.int64)
-        out = self.alloc.alloc_decode(seq + 1, seq + 1, last)
-        self.r2t.req_to_token[rpi, seq] = out.to(torch.int32)
-        for r in reqs:
-            r.kv_allocated_len += 1
-        seq = seq + 1
-        self.coord.map_last_loc_to_buffer(seq, out, rpi, seq.clone(), None)  # 0.5.13 passes None
+        rpi, seq, out = decode_step(self.r2t, self.alloc, self.coord, reqs)
         rows = self.alloc.translate_to_physical(out)
         for layer in range(self.pool.layer_num):  # "forward" writes the new token
             put_tag(self.pool.kv_buffer[layer], rows, seq - 1)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import run_python
-from dataplane_fixtures import make_req, req_pool, t64
+from dataplane_fixtures import decode_step, make_req, prefill, release, req_pool, t64
 from sglang_hisparse.dsv4 import C4_RATIO, DSV4C4DevicePool, DSV4HiSparseAllocator
 from sglang_hisparse.kernels import reference
 
@@ -204,13 +204,7 @@ def test_get_last_loc_compressed():
 
 def _prefill(alloc, r2t, n, rid="r"):
     req = make_req(rid, n)
-    (idx,) = r2t.alloc([req])
-    req.req_pool_idx = idx
-    out = alloc.alloc_extend(t64(0), t64(0), t64(n), t64(n), t64(-1), n)
-    assert out is not None
-    r2t.req_to_token[idx, :n] = out.to(torch.int32)
-    req.fill_len = req.kv_allocated_len = n
-    return req, out
+    return req, prefill(r2t, alloc, req, n)
 
 
 def test_alloc_device_buffer_keeps_newest_in_slot_b_and_frees_outside_pages():
@@ -369,15 +363,7 @@ class Env:
         return req
 
     def decode(self, reqs):
-        rpi = t64(*[r.req_pool_idx for r in reqs])
-        seq = t64(*[r.kv_allocated_len for r in reqs])
-        last = self.r2t.req_to_token[rpi, seq - 1].to(torch.int64)
-        out = self.alloc.alloc_decode(seq + 1, seq + 1, last)
-        self.r2t.req_to_token[rpi, seq] = out.to(torch.int32)
-        for r in reqs:
-            r.kv_allocated_len += 1
-        seq = seq + 1
-        self.coord.map_last_loc_to_buffer(seq, out, rpi, seq.clone(), None)
+        rpi, seq, out = decode_step(self.r2t, self.alloc, self.coord, reqs)
         # "forward": the compressor writes the C4 token a step closes
         for i in range(len(reqs)):
             if int(seq[i]) % 4 == 0:
@@ -386,9 +372,7 @@ class Env:
 
     def finish(self, req):
         self.coord.request_finished(req)
-        self.alloc.free(self.r2t.req_to_token[req.req_pool_idx, : req.kv_allocated_len].to(torch.int64))
-        self.r2t.free(req)
-        req.req_pool_idx = None
+        release(self.r2t, self.alloc, req)
 
     def drained(self):
         return (self.counts() == self.start and not self.coord.live_request_slots()
