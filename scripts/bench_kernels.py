@@ -15,8 +15,13 @@ lower bound max(bytes / H2D ceiling, 10 us), where the ceiling is a large
 pinned cudaMemcpyAsync measured in the same run, and the ratios
 ours / bound (target <= 1.18) and ours / best upstream (target <= 1).
 
+With --breakdown it then shows where our call's time goes at batch 1 and
+64, 0% and 100% miss: the kernel's own phase stamps, one block per request,
+other block sizes, and the two paths that resolve nothing (resident
+requests, sequences shorter than the buffer).
+
 Usage:
-  python scripts/bench_kernels.py [--quick] [--json OUT]
+  python scripts/bench_kernels.py [--quick] [--json OUT] [--breakdown]
                                   [--upstream-0523 DIR] [--blocks-per-req N]
 """
 
@@ -99,6 +104,17 @@ class World:
             row = torch.cat([hits, misses])
             rows.append(row[torch.randperm(TOP_K, generator=self.gen)])
         return torch.stack(rows).to(torch.int32).cuda()
+
+    def residency(self) -> dict:
+        """Every request resident: its positions map through req_to_token
+        (identity here) to device rows (the slot rows, cycled)."""
+        if not hasattr(self, "_residency"):
+            self._residency = dict(
+                resident=torch.ones(self.max_bs, dtype=torch.int32, device="cuda"),
+                req_to_token=torch.arange(SEQ, dtype=torch.int32, device="cuda").repeat(self.max_bs, 1),
+                token_to_row=(torch.arange(SEQ, device="cuda") % self.device_kv.shape[0]),
+            )
+        return self._residency
 
     def restore(self) -> None:
         self.slot_tokens.copy_(self.slot_tokens0)
@@ -185,15 +201,68 @@ def h2d_ceiling_gbps(nbytes: int = 512 << 20, reps: int = 7) -> float:
 
 
 def ours(world: World, bs: int, top_k: torch.Tensor, out, num_real, seq_lens, reqs, *,
-         skip_io=False, blocks_per_req=None):
+         skip_io=False, blocks_per_req=None, block_size=None, probe=None, **residency):
     from sglang_hisparse.kernels import swap_in
 
     def call():
         swap_in(top_k, reqs, seq_lens, num_real, world.slot_tokens, world.slot_locs,
                 world.lru, world.host_locs, world.host_kv, world.device_kv, out,
-                skip_io=skip_io, blocks_per_req=blocks_per_req, tally=world.tally)
+                skip_io=skip_io, blocks_per_req=blocks_per_req, block_size=block_size,
+                tally=world.tally, probe=probe, **residency)
 
     return call
+
+
+def breakdown(world: World, timer: Timer, batches, misses) -> list[dict]:
+    """Where one call's time goes (--breakdown).
+
+    Per point: the kernel's own phase stamps (block (0, 0), cold L2, median
+    of 15 eager launches), the graph-timed cost of the same call with one
+    block per request and with other block sizes, and two floors that run
+    no resolve at all: every request resident (positions translated through
+    req_to_token) and every sequence shorter than the buffer.
+    """
+    from sglang_hisparse.kernels import new_probe, probe_phases_us
+
+    rows = []
+    for bs in batches:
+        reqs = torch.arange(bs, dtype=torch.int64, device="cuda")
+        seq_lens = torch.full((bs,), SEQ, dtype=torch.int64, device="cuda")
+        short = torch.full((bs,), HOT, dtype=torch.int64, device="cuda")
+        num_real = torch.tensor([bs], dtype=torch.int32, device="cuda")
+        out = torch.empty((bs, TOP_K), dtype=torch.int32, device="cuda")
+        for miss in misses:
+            top_k = world.top_k(bs, miss)
+            stamps = []
+            for _ in range(15):
+                world.restore()
+                timer.flush_buf.zero_()
+                probe = new_probe("cuda")
+                ours(world, bs, top_k, out, num_real, seq_lens, reqs, probe=probe)()
+                torch.cuda.synchronize()
+                stamps.append(probe_phases_us(probe))
+            phases = {k: statistics.median(d[k] for d in stamps) for k in stamps[0]}
+            row = dict(batch=bs, miss=miss, phases_us=phases)
+            variants = {"split=1": dict(blocks_per_req=1)}
+            if bs == 1:
+                variants.update({"split=8": dict(blocks_per_req=8), "split=32": dict(blocks_per_req=32)})
+            for threads in (256, 1024):
+                variants[f"threads={threads}"] = dict(block_size=threads)
+            for name, kw in variants.items():
+                row[name], _ = timer.median_us(
+                    ours(world, bs, top_k, out, num_real, seq_lens, reqs, **kw), world.restore)
+            if miss == 0.0:
+                row["floor_short_seq"], _ = timer.median_us(
+                    ours(world, bs, top_k, out, num_real, short, reqs), world.restore)
+                row["floor_resident"], _ = timer.median_us(
+                    ours(world, bs, top_k, out, num_real, seq_lens, reqs, **world.residency()),
+                    world.restore)
+            rows.append(row)
+            log(f"  bs {bs:>2} miss {miss * 100:>3.0f}%  "
+                + "  ".join(f"{k} {v:.2f}" for k, v in phases.items()))
+            log("      graph-timed us: " + "  ".join(
+                f"{k} {v:.1f}" for k, v in row.items() if k not in ("batch", "miss", "phases_us")))
+    return rows
 
 
 def upstream_0513(world: World, bs, top_k, out, num_real, seq_lens, reqs):
@@ -260,6 +329,35 @@ def upstream_0523(module, world: World, bs, top_k, out, num_real, seq_lens, reqs
 # --------------------------------------------------------------------------
 
 
+def prebuild(breakdown: bool) -> None:
+    """Builds every kernel the run will time, several at once: each build is
+    an nvcc subprocess, so threads overlap them (0.5.23's build swaps the
+    loader's include path and runs alone afterwards)."""
+    import importlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sglang.jit_kernel.utils import get_jit_cuda_arch
+
+    swap_in_mod = importlib.import_module("sglang_hisparse.kernels.swap_in")
+    # Set once, so the loader's per-build set/restore of it cannot race.
+    os.environ.setdefault("TVM_FFI_CUDA_ARCH_LIST", get_jit_cuda_arch().target_name)
+    threads = swap_in_mod.default_block_size(HOT)
+    jobs = [(False, threads), (True, threads)]
+    if breakdown:
+        jobs += [(False, 256), (False, 1024)]
+    builds = [lambda s=skip, t=t: swap_in_mod._swap_in_module(TOP_K, HOT, ITEM, 0, False, s, t)
+              for skip, t in jobs]
+    try:
+        from sglang.jit_kernel.hisparse import _jit_sparse_module
+
+        builds.append(lambda: _jit_sparse_module(ITEM, 1024, TOP_K, HOT, is_mla=True, is_dsv4_layout=False))
+    except ImportError:
+        pass
+    with ThreadPoolExecutor(len(builds)) as pool:
+        for f in [pool.submit(b) for b in builds]:
+            f.result()
+
+
 def check_against_0513(world: World, ours_fn, up_fn, out_a, out_b) -> str:
     """Same inputs, same rules: ours must leave exactly what 0.5.13 leaves."""
     world.restore()
@@ -282,6 +380,9 @@ def main(argv=None) -> int:
     ap.add_argument("--blocks-per-req", type=int, default=None, help="override our blocks per request")
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--no-check", action="store_true", help="skip the ours-vs-0.5.13 state comparison")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also print where our call's time goes: phase stamps, split and "
+                         "block-size variants, no-resolve floors")
     args = ap.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -299,6 +400,7 @@ def main(argv=None) -> int:
     log(f"pinned H2D ceiling (cudaMemcpyAsync, 512 MiB): {ceiling:.1f} GB/s")
 
     world = World(max(batches))
+    prebuild(args.breakdown)
 
     mod_0523, why_0523 = None, "not requested (--upstream-0523 DIR)"
     if args.upstream_0523:
@@ -370,11 +472,16 @@ def main(argv=None) -> int:
             ))
     worst = max(r["ours_over_bound"] for r in rows)
     log(f"worst ours/bound: {worst:.2f} (target <= {TARGET_RATIO})")
+    phases = []
+    if args.breakdown:
+        log("breakdown (phase stamps in us, block (0, 0); then graph-timed variants):")
+        phases = breakdown(world, timer, [1, 64] if not args.quick else [1],
+                           [0.0, 1.0])
     if args.json:
         Path(args.json).write_text(json.dumps(dict(
             device=dev.name, sms=dev.multi_processor_count, h2d_ceiling_gbps=ceiling,
             top_k=TOP_K, hot_buffer=HOT, page=PAGE, seq_len=SEQ, item_bytes=ITEM,
-            iters=iters, sglang_0523=why_0523 or "ok", rows=rows,
+            iters=iters, sglang_0523=why_0523 or "ok", rows=rows, breakdown=phases,
         ), indent=2))
         log(f"wrote {args.json}")
     return 0

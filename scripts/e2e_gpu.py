@@ -25,6 +25,12 @@ Workloads:
               --max-total-tokens 40000
   lone        one 16000-token prompt, 256 output tokens
 
+--step-timer loads scripts/steptimer (a diagnostic SGLang plugin, not part
+of the package) into each server and prints, per workload, each scheduler
+function's wall time per scheduled batch, one column per configuration. It
+adds about 0.3 ms of Python per step: compare its columns with each other,
+and take TPOT from runs without it.
+
 Exactness: greedy outputs with top-2 logprobs; a step counts when both
 servers produced the same prefix so far and the baseline's top-1/top-2
 margin exceeds --margin; such steps must agree within --tol.
@@ -47,6 +53,7 @@ import sys
 import threading
 import time
 import urllib.request
+from typing import Optional
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -62,8 +69,18 @@ WORKLOADS = {
 }
 
 
-def server_cmd(model: str, port: int, config: str, extra: list[str]) -> tuple[list[str], dict]:
+STEP_TIMER_DIR = Path(__file__).resolve().parent / "steptimer"
+
+
+def server_cmd(model: str, port: int, config: str, extra: list[str],
+               step_timer_out: Optional[Path] = None) -> tuple[list[str], dict]:
     env = dict(os.environ)
+    if step_timer_out is not None:
+        # scripts/steptimer is a diagnostic SGLang plugin (see its docstring).
+        step_timer_out.mkdir(parents=True, exist_ok=True)
+        env["STEPTIMER_OUT"] = str(step_timer_out)
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(STEP_TIMER_DIR)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     args = [
         sys.executable, "-m", "sglang.launch_server", "--port", str(port),
         "--host", "127.0.0.1", "--model-path", model, "--load-format", "dummy",
@@ -97,8 +114,9 @@ def server_cmd(model: str, port: int, config: str, extra: list[str]) -> tuple[li
 
 
 class Server:
-    def __init__(self, model, port, config, extra, log_path):
-        cmd, env = server_cmd(model, port, config, extra)
+    def __init__(self, model, port, config, extra, log_path, step_timer_out=None):
+        cmd, env = server_cmd(model, port, config, extra, step_timer_out)
+        self.step_timer_out = step_timer_out
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
         self.log = open(log_path, "w")
@@ -129,6 +147,28 @@ class Server:
             except Exception:
                 pass
         self.log.close()
+
+
+def step_timer_snapshot(out: Optional[Path]) -> dict:
+    """{function: [seconds, calls]} summed over the server's scheduler processes."""
+    total: dict = {}
+    if out is None:
+        return total
+    for path in out.glob("steptimer_*.json"):
+        try:
+            stats = json.loads(path.read_text())["stats"]
+        except (OSError, ValueError, KeyError):
+            continue
+        for name, (sec, calls) in stats.items():
+            t = total.setdefault(name, [0.0, 0])
+            t[0] += sec
+            t[1] += calls
+    return total
+
+
+def step_timer_diff(before: dict, after: dict) -> dict:
+    return {k: [v[0] - before.get(k, [0.0, 0])[0], v[1] - before.get(k, [0.0, 0])[1]]
+            for k, v in after.items() if v[1] > before.get(k, [0.0, 0])[1]}
 
 
 def make_ids(n: int, seed: int, vocab: int = 32768) -> list[int]:
@@ -261,6 +301,9 @@ def main() -> int:
     ap.add_argument("--logs", default=os.environ.get("OUT", "."))
     ap.add_argument("--merge", nargs="+", metavar="JSON",
                     help="launch nothing: summarize the runs of earlier e2e JSON files together")
+    ap.add_argument("--step-timer", action="store_true",
+                    help="time the scheduler's per-step functions in every server "
+                         "(scripts/steptimer) and print them per workload and config")
     ap.add_argument("--baseline-json", default=None,
                     help="take the base runs from an earlier e2e JSON instead of launching base")
     args = ap.parse_args()
@@ -277,7 +320,9 @@ def main() -> int:
         for flags, ws in by_flags.items():
             for cfg in configs:
                 log = Path(args.logs) / f"server_{cfg}_{ws[0]}_{rep}.log"
-                srv = Server(args.model, args.port, cfg, list(flags), log)
+                timer_out = (Path(args.logs) / f"steptimer_{cfg}_{ws[0]}_{rep}"
+                             if args.step_timer else None)
+                srv = Server(args.model, args.port, cfg, list(flags), log, timer_out)
                 try:
                     ready = srv.wait_ready()
                     print(f"[{cfg} rep{rep}] ready in {ready:.0f}s", flush=True)
@@ -287,8 +332,13 @@ def main() -> int:
                         run_workload(srv.url, w, seed0=7919)
                     for inner, w in [(i, w) for i in range(args.inner_repeats) for w in ws]:
                         mark = log.stat().st_size
+                        time.sleep(0.6 if timer_out else 0)  # let the snapshot catch up
+                        before = step_timer_snapshot(timer_out)
                         r = run_workload(srv.url, w)
                         r.update(log_stats(log, mark))
+                        if timer_out:
+                            time.sleep(0.6)
+                            r["step_timer"] = step_timer_diff(before, step_timer_snapshot(timer_out))
                         results[cfg][w].append(r)
                         print(f"[{cfg} rep{rep}.{inner}] {w}: {len(r['requests'])} ok, "
                               f"{len(r['errors'])} errors, {r['output_tok_s']:.0f} tok/s, "
@@ -312,8 +362,38 @@ def main() -> int:
         results["base"] = {w: earlier.get(w, []) for w in workloads}
         configs = ["base"] + configs
     summary = summarize(results, configs, workloads, args.margin, args.tol)
+    if args.step_timer:
+        print_step_timer(results, configs, workloads)
     Path(args.out).write_text(json.dumps({"summary": summary, "runs": results}, indent=1))
     return 0 if all(s.get("ok", True) for s in summary) else 1
+
+
+def print_step_timer(results, configs, workloads) -> None:
+    """Per workload: each timed function's wall time per scheduled batch
+    (median over runs), one column per configuration."""
+    for w in workloads:
+        per_cfg = {}
+        for c in configs:
+            runs = [r["step_timer"] for r in results.get(c, {}).get(w, []) if r.get("step_timer")]
+            if not runs:
+                continue
+            names = {n for r in runs for n in r}
+            per_cfg[c] = {}
+            for n in names:
+                vals = [r[n][0] * 1e6 / max(r.get("Scheduler.run_batch", [0, 1])[1], 1)
+                        for r in runs if n in r]
+                per_cfg[c][n] = statistics.median(vals)
+            per_cfg[c]["(batches)"] = statistics.median(
+                r.get("Scheduler.run_batch", [0, 0])[1] for r in runs)
+        if not per_cfg:
+            continue
+        cols = list(per_cfg)
+        print(f"\nstep timer, {w}: us per scheduled batch (inclusive; median over runs)")
+        print(f"{'function':48s}" + "".join(f"{c:>12s}" for c in cols))
+        names = sorted({n for d in per_cfg.values() for n in d},
+                       key=lambda n: -max(d.get(n, 0) for d in per_cfg.values()))
+        for n in names:
+            print(f"{n:48s}" + "".join(f"{per_cfg[c].get(n, float('nan')):12.1f}" for c in cols))
 
 
 def merge(args) -> int:

@@ -276,6 +276,9 @@ class HiSparseCoordinator(ResidencyMixin, ParkingMixin):
         # The kernel's tally of (selected tokens, misses), summed over layers
         # and steps on the device: the decode path never syncs for it.
         self._tally = torch.zeros(2, dtype=torch.int64, device=device)
+        self._tally_host = torch.zeros(2, dtype=torch.int64, pin_memory=self._tally.is_cuda)
+        self._tally_copy = None  # CUDA event of the copy into _tally_host in flight
+        self._tally_seen = [0, 0]
         self.host_bytes_written = 0
         self.host_bytes_read_staging = 0  # preload (direct admission)
         self.host_wait_events = 0
@@ -343,12 +346,30 @@ class HiSparseCoordinator(ResidencyMixin, ParkingMixin):
             host_used, host_used / host_cap if host_cap else 0.0,
         )
 
+    def _read_tally(self) -> List[int]:
+        """The kernel's (selected, misses) counts without waiting on the GPU:
+        each call starts a copy to pinned memory and returns what the last
+        finished copy saw, so on a GPU the counts trail by one reading (a
+        decode log interval). A sync here would stall the scheduler and cost
+        the decode step it overlaps with."""
+        if not self._tally.is_cuda:
+            return self._tally.tolist()
+        if self._tally_copy is not None and self._tally_copy.query():
+            self._tally_seen = self._tally_host.tolist()
+            self._tally_copy = None
+        if self._tally_copy is None:
+            self._tally_host.copy_(self._tally, non_blocking=True)
+            self._tally_copy = torch.cuda.Event()
+            self._tally_copy.record()
+        return list(self._tally_seen)
+
     def get_hisparse_stats(self) -> dict:
-        """Counters for the decode log line / Prometheus (syncs the device)."""
+        """Counters for the decode log line / Prometheus (no device sync; the
+        kernel's hit/miss counts trail by one reading on a GPU)."""
         active = [i for i, r in self._live.items()
                   if not getattr(r, "hisparse_staging", False) and i not in self._resident_rows]
         cap = int(self.req_device_buffer_size[active].sum()) if active else 0
-        selected, misses = self._tally.tolist()
+        selected, misses = self._read_tally()
         return {
             "hits": selected - misses,
             "misses": misses,
@@ -379,6 +400,7 @@ class HiSparseCoordinator(ResidencyMixin, ParkingMixin):
             # (not while other prompts wait for rows: see parking.py).
             self._resident_rows[idx] = self._page_up(req.fill_len)
             self.req_resident[idx] = 1
+            self._map_page_tail(idx, req.fill_len)
             self._ready.append(req)
             return
         if self._host_wait or not self._start_staging(req):
@@ -715,6 +737,8 @@ class HiSparseCoordinator(ResidencyMixin, ParkingMixin):
             self.write_staging_stream.synchronize()
         if self._live.get(idx) is req:
             del self._live[idx]
+        if idx in self._resident_rows:  # resident, not joined yet: no decode step
+            self._unmap_page_tail(idx, req.fill_len)
         self._free_prefill_rows(req)
         self._reset_rows(idx)
         req.hisparse_staging = False
@@ -753,6 +777,7 @@ class HiSparseCoordinator(ResidencyMixin, ParkingMixin):
             self.wait_for_pending_backup()
         del self._live[idx]
         if idx in self._resident_rows:
+            self._unmap_page_tail(idx, req.kv_allocated_len)
             logical = self.req_to_token_pool.req_to_token[idx, : req.kv_allocated_len]
             self.token_to_kv_pool_allocator.free_hisparse(logical.to(torch.int64))
             self._reset_rows(idx)

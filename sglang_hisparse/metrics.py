@@ -1,8 +1,9 @@
 """HiSparse counters where SGLang users look: the decode log line and Prometheus.
 
-The coordinator keeps hit/miss counts on the device (no sync on the decode
-path). They are read only when SGLang prints a decode log line (every
-``--decode-log-interval`` steps): an AFTER hook on
+The coordinator keeps hit/miss counts on the device. They are read only
+when SGLang prints a decode log line (every ``--decode-log-interval``
+steps), through an asynchronous copy, so they trail by one line and nothing
+waits on the GPU: an AFTER hook on
 ``PoolStats.get_decode_usage_msg_parts`` appends them to the line, and, with
 ``--enable-metrics``, the same reading advances Prometheus counters.
 """

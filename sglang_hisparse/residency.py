@@ -8,8 +8,13 @@ pools, tables and streams.
 * A request past prefill becomes resident instead of being staged
   (``admit_request_into_staging``); the swap-in kernel then only translates
   its positions, and nothing of it goes to host.
-* Each decode step, :meth:`_grow_residents` gives a resident's new token a
-  row: a fresh page when the token starts one, else the next row of its page.
+* A resident's current page is mapped ahead of its tokens (logical and
+  physical pages share offsets): its prompt's last page when it becomes
+  resident (:meth:`_map_page_tail`), each fresh page when a token starts one
+  (:meth:`_grow_residents`). The decode steps in between launch nothing for
+  it. A mapping ahead of the tokens is taken back when the request stops
+  being resident (:meth:`_unmap_page_tail`), so unused slots never read as
+  mapped.
 * When rows run short, residents are *demoted* (:meth:`_demote`): their rows
   are copied to host in stream order and they get a hot buffer, exactly as
   after staging. The allocator asks for this through :meth:`reclaim_rows`
@@ -47,10 +52,36 @@ class ResidencyMixin:
         best = [(rows, idx) for idx, rows in self._resident_rows.items() if rows > P]
         return max(best)[1] if best else None
 
+    def _page_tail(self, idx: int, n: int):
+        """(last logical slot of the first ``n`` tokens, offsets 1.. of the rest
+        of its page) or None when the ``n`` tokens end on a page boundary."""
+        rest = -n % self.page_size
+        if n <= 0 or rest == 0:
+            return None
+        last = self.req_to_token_pool.req_to_token[idx, n - 1].to(torch.int64)
+        mapping = self._mapping()
+        return last, torch.arange(1, rest + 1, dtype=torch.int64, device=mapping.device)
+
+    def _map_page_tail(self, idx: int, n: int) -> None:
+        """Map the rest of the page holding token ``n - 1`` to the rest of its
+        physical page (prefill allocated both pages whole)."""
+        tail = self._page_tail(idx, n)
+        if tail is not None:
+            last, offsets = tail
+            mapping = self._mapping()
+            mapping[last + offsets] = mapping[last] + offsets
+
+    def _unmap_page_tail(self, idx: int, n: int) -> None:
+        """Undo the mapping ahead of the first ``n`` tokens."""
+        tail = self._page_tail(idx, n)
+        if tail is not None:
+            last, offsets = tail
+            self._mapping()[last + offsets] = 0
+
     def _grow_residents(self, seq_list, idx_list, out_cache_loc) -> None:
-        """Give each resident's new token a row: a fresh page when it starts a
-        page, else the next row of its current page. Demote residents when
-        the pool (less what others are owed) cannot supply the pages."""
+        """Map each fresh page a resident's new token starts (its other tokens
+        are mapped already). Demote residents when the pool (less what others
+        are owed) cannot supply the pages."""
         ps = self.page_size
         alloc = self.token_to_kv_pool_allocator.hisparse_attn_allocator
         batch = {idx: i for i, idx in enumerate(idx_list) if idx in self._resident_rows}
@@ -77,28 +108,20 @@ class ResidencyMixin:
             self._demote(victim, with_new_token=victim in batch)
             batch.pop(victim, None)
             new_page = [idx for idx in new_page if idx != victim]
-        if not batch:
+        if not new_page:
             return
         mapping = self._mapping()
-        dev = out_cache_loc.device
-        if new_page:
-            rows = alloc.alloc(len(new_page) * ps)
-            if rows is None:
-                raise RuntimeError("HiSparse: resident growth found fewer free rows than counted")
-            sel = torch.tensor([batch[idx] for idx in new_page], dtype=torch.int64, device=dev)
-            # The page's first row; the rest follow it (the "within" case).
-            mapping[out_cache_loc[sel].to(torch.int64)] = rows.to(mapping.device).view(-1, ps)[:, 0]
-            for idx in new_page:
-                self._resident_rows[idx] += ps
-        fresh = set(new_page)
-        within = [batch[idx] for idx in batch if idx not in fresh]
-        if within:
-            if len(within) == len(idx_list):  # the common case: no index copy
-                loc = out_cache_loc.to(torch.int64)
-            else:
-                sel = torch.tensor(within, dtype=torch.int64, device=dev)
-                loc = out_cache_loc[sel].to(torch.int64)
-            mapping[loc] = mapping[loc - 1] + 1
+        rows = alloc.alloc(len(new_page) * ps)
+        if rows is None:
+            raise RuntimeError("HiSparse: resident growth found fewer free rows than counted")
+        sel = torch.tensor([batch[idx] for idx in new_page], dtype=torch.int64,
+                           device=out_cache_loc.device)
+        # The new token is its logical page's first slot: map the whole page.
+        first = out_cache_loc[sel].to(torch.int64).to(mapping.device)
+        offsets = torch.arange(ps, dtype=torch.int64, device=mapping.device)
+        mapping[(first[:, None] + offsets).reshape(-1)] = rows.to(mapping.device)
+        for idx in new_page:
+            self._resident_rows[idx] += ps
 
     def _demote(self, idx: int, with_new_token: bool) -> int:
         """Copy a resident's KV to host and shrink it to a hot buffer; returns
@@ -111,6 +134,7 @@ class ResidencyMixin:
         req = self._live[idx]
         rows_before = self._resident_rows[idx]
         n = req.kv_allocated_len - (1 if with_new_token else 0)
+        self._unmap_page_tail(idx, n)
         rows = self._prefix_rows(idx, n)
         if rows is None:
             raise RuntimeError("HiSparse: host pool exhausted while demoting a resident "

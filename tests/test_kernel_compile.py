@@ -29,9 +29,9 @@ def test_compile_production_variant():
     )
     assert names == [
         "swap_in(top_k=2048, hot_buffer_size=4096, item_bytes=1152, layout=rows, "
-        "record_plan=False, skip_io=False, block_size=512)"
+        "record_plan=False, skip_io=False, block_size=1024)"
     ]
-    mod = swap_in_mod._swap_in_module(2048, 4096, 1152, 0, False, False, 512)
+    mod = swap_in_mod._swap_in_module(2048, 4096, 1152, 0, False, False, 1024)
     assert callable(getattr(mod, "swap_in"))
     print(f"production variant: {time.monotonic() - t0:.1f}s")
 
@@ -56,17 +56,19 @@ def test_compile_variants_accepts_a_hisparse_config():
     with pytest.raises(ValueError, match="block_size must be a multiple of 32"):
         kernels.compile_variants(top_k=64, swap_in_block_size=100)
     with pytest.raises(ValueError, match="too small for hot_buffer_size"):
-        kernels.compile_variants(top_k=64, hot_buffer_size=32767, block_size=512)
+        kernels.compile_variants(top_k=64, hot_buffer_size=30000, block_size=512)
+    with pytest.raises(ValueError, match=r"needs \d+ B of shared memory per block; the limit is"):
+        kernels.compile_variants(top_k=16384, hot_buffer_size=16384)
     with pytest.raises(ValueError, match="item_bytes must be 584"):
         kernels.compile_variants(top_k=64, layout="dsv4_c4", item_bytes=656)
     with pytest.raises(ValueError, match="layout must be one of"):
         kernels.compile_variants(top_k=64, layout="paged")
 
 
-def test_default_block_size_keeps_slots_per_thread_small():
-    assert kernels.default_block_size(4096) == 512
-    assert kernels.default_block_size(8192) == 512
-    assert kernels.default_block_size(16384) == 1024
+def test_default_block_size_is_a_full_block():
+    # The resolve's latency falls with every thread (see default_block_size).
+    for hot in (64, 4096, 16384, 30000):
+        assert kernels.default_block_size(hot) == 1024
 
 
 def test_wrapper_rejects_cpu_tensors_by_name():
@@ -77,3 +79,20 @@ def test_wrapper_rejects_cpu_tensors_by_name():
         kernels.swap_in(cpu.long(), *([None] * 10))
     with pytest.raises(ValueError, match="miss_src: must be a CUDA tensor"):
         kernels.copy_planned(cpu.long(), cpu, cpu[0], cpu[0, :1], None, None)
+
+
+def test_probe_phases_read_the_kernel_stamps():
+    """The probe layout (struct Probe in swap_in.cuh) as the benchmark reads it."""
+    probe = kernels.new_probe("cpu")
+    assert probe.numel() == 16 and probe[14].item() == -1  # UINT64_MAX for atomicMin
+    ns = [1000 * (i + 1) for i in range(len(kernels.PROBE_PHASES))]
+    probe[: len(ns)] = torch.tensor(ns)
+    probe[14], probe[15] = 500, 20000
+    got = kernels.probe_phases_us(probe)
+    assert [got[name] for name in kernels.PROBE_PHASES[1:]] == [1.0] * (len(ns) - 1)
+    assert got["block0_total"] == 10.0 and got["grid_span"] == 19.5
+    assert got["block0_start_lag"] == 0.5
+    early = kernels.new_probe("cpu")
+    early[0], early[11], early[14], early[15] = 100, 2100, 100, 2600
+    got = kernels.probe_phases_us(early)
+    assert got["early_exit"] == got["block0_total"] == 2.0 and got["grid_span"] == 2.5

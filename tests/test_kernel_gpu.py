@@ -174,6 +174,22 @@ def test_block_size_override(block_size):
     _step(f"seed={seed} block_size={block_size}", gpu, want, block_size=block_size)
 
 
+def test_probe_stamps_phases_without_changing_the_result():
+    """The benchmark's timing probe: ordered stamps, the grid span around
+    block (0, 0)'s, and the same outputs and state as a call without it."""
+    seed = _seed()
+    case = make_case(seq_lens=[9000, 7000, 300], top_k=512, hot=1024, page=PAGE, miss_rate=0.5,
+                     item_bytes=1152, seed=seed)
+    gpu, want = case.clone("cuda", pin_host=True), case.clone()
+    probe = kernels.new_probe("cuda")
+    _step(f"seed={seed}", gpu, want, plan=False, probe=probe)
+    stamps = probe.cpu().tolist()
+    phases = [t for t in stamps[: len(kernels.PROBE_PHASES)] if t]
+    assert phases == sorted(phases) and len(phases) == len(kernels.PROBE_PHASES), stamps
+    got = kernels.probe_phases_us(probe)
+    assert got["grid_span"] >= got["block0_total"] >= 0 and got["block0_start_lag"] >= 0
+
+
 def test_skip_io_updates_state_only():
     seed = _seed()
     case = make_case(seq_lens=[9000, 7000], top_k=512, hot=1024, page=PAGE, miss_rate=0.9,

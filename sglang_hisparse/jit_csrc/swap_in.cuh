@@ -32,9 +32,12 @@
 // grid needs no co-residency guarantee.
 //
 // Latency of one call is roughly: two dependent global reads (request index,
-// then the LRU row / slot table / host row indices, all issued together),
-// the shared-memory resolve, then the host reads, which overlap the ranking
-// and the output writes.
+// then the LRU row and the slot table, issued together), the shared-memory
+// resolve, then for each miss its host row index and the host read, which
+// overlap the ranking and the output writes. Loads issued early but consumed
+// late are not free here: they hold the block's memory queue, and the
+// shared-memory atomics of the resolve wait behind them (on an H200, reading
+// every candidate's host row index up front cost 0.7-3 us at 0% miss).
 #pragma once
 
 #include <sgl_kernel/tensor.h>
@@ -87,6 +90,7 @@ struct SwapInParams {
   const int32_t* req_to_token;  // [R, r2t_stride] logical slot of each position
   const int64_t* token_to_row;  // logical slot -> device row
   unsigned long long* tally;  // += {valid entries, misses} of real rows; nullptr: not counted
+  unsigned long long* probe;  // phase timestamps (see Probe); nullptr: not recorded
   int64_t r2t_stride;
   int64_t top_k_stride;
   int64_t out_stride;
@@ -100,6 +104,35 @@ struct SwapInParams {
   int64_t miss_src_stride;
   int64_t miss_dst_stride;
 };
+
+// Timing probe (a benchmark aid, like skip-IO): block (0, 0)'s thread 0
+// stamps %globaltimer at each phase boundary, and every block folds its
+// entry and exit time into a grid-wide min / max. Slots, in ns:
+struct Probe {
+  enum : int {
+    kEntry = 0,      // block (0, 0) starts
+    kHashReady = 1,  // top-k entries read, hash table cleared
+    kHashed = 2,     // candidates inserted
+    kOwners = 3,     // slot -> owning entry resolved
+    kClaimed = 4,    // hits claimed, evictable counts known
+    kMissKnown = 5,  // misses known, first host read issued
+    kRanked = 6,     // scans done
+    kPlaced = 7,     // LRU regrouped, misses numbered
+    kPublished = 8,  // thread 0's outputs written
+    kCopied = 9,     // this block's copies issued and joined
+    kExit = 10,      // state committed (or not the last block)
+    kEarlyExit = 11, // padding / resident / short-sequence path
+    kGridEntry = 14, // min over blocks (initialise to UINT64_MAX)
+    kGridExit = 15,  // max over blocks (initialise to 0)
+    kSlots = 16,
+  };
+};
+
+SGL_DEVICE unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
 
 template <int kTopK, int kHot>
 struct SwapInSmem {
@@ -119,8 +152,10 @@ struct SwapInSmem {
   static constexpr size_t kBufCnt = kMissTok + sizeof(int32_t) * kTopK;     // int32 [B / 32]
   static constexpr size_t kMissCnt = kBufCnt + sizeof(int32_t) * kBufChunks;      // int32 [K / 32]
   static constexpr size_t kScalars = kMissCnt + sizeof(int32_t) * kTopKChunks;    // int32 [4]
-  static constexpr size_t kOrder = kScalars + sizeof(int32_t) * 4;                // int16 [B]
-  static constexpr size_t kSlotOwner = kOrder + sizeof(int16_t) * kHot;           // int16 [B]
+  // The slot owners are last read before the LRU is regrouped (a barrier
+  // apart), so the regrouped LRU reuses their space.
+  static constexpr size_t kSlotOwner = kScalars + sizeof(int32_t) * 4;            // int16 [B]
+  static constexpr size_t kOrder = kSlotOwner;                                    // int16 [B]
   static constexpr size_t kBytes = kSlotOwner + sizeof(int16_t) * kHot;
   static_assert(kBytes <= 227 * 1024, "top_k / hot_buffer_size exceed a block's shared memory");
 };
@@ -147,6 +182,23 @@ __global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_const
   static_assert(kTopKPerThread <= 32 && kBufPerThread <= 32, "per-thread flags are kept in 32-bit masks");
 
   const int tid = threadIdx.x;
+  const bool probing = p.probe != nullptr && tid == 0;  // one stamping thread per block
+  const bool probe_block = probing && blockIdx.x == 0 && blockIdx.y == 0;
+  auto mark = [&](int slot) {
+    if (probe_block) p.probe[slot] = global_ns();
+  };
+  auto grid_mark = [&](bool entry) {
+    if (probing) {
+      const unsigned long long now = global_ns();
+      if (entry) {
+        atomicMin(p.probe + Probe::kGridEntry, now);
+      } else {
+        atomicMax(p.probe + Probe::kGridExit, now);
+      }
+    }
+  };
+  mark(Probe::kEntry);
+  grid_mark(true);
   const int lane = tid % kWarp;
   const int warp = tid / kWarp;
   const uint32_t lanes_below = (1u << lane) - 1u;
@@ -180,6 +232,8 @@ __global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_const
     if constexpr (kRecordPlan) {
       if (part == 0 && tid == 0) p.miss_count[row] = 0;
     }
+    mark(Probe::kEarlyExit);
+    grid_mark(false);
     return;
   }
 
@@ -207,6 +261,8 @@ __global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_const
     if constexpr (kRecordPlan) {
       if (part == 0 && tid == 0) p.miss_count[row] = 0;
     }
+    mark(Probe::kEarlyExit);
+    grid_mark(false);
     return;
   }
 
@@ -219,6 +275,8 @@ __global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_const
     if constexpr (kRecordPlan) {
       if (part == 0 && tid == 0) p.miss_count[row] = 0;
     }
+    mark(Probe::kEarlyExit);
+    grid_mark(false);
     return;
   }
 
@@ -258,20 +316,14 @@ __global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_const
       held[i] = at < kHot ? slot_tokens_in[at] : kEmptyKey;
     }
   }
-  int64_t src_row[kTopKPerThread];
   uint32_t cand_bits = 0;    // valid, not the newest token
   uint32_t newest_bits = 0;  // valid and the newest token
-  {
-    const int64_t* host_locs = p.host_locs + req * p.host_locs_stride;
 #pragma unroll
-    for (int k = 0; k < kTopKPerThread; ++k) {
-      const bool valid = tok[k] >= 0 && tok[k] < limit;
-      const bool is_newest = valid && tok[k] == newest;
-      cand_bits |= uint32_t(valid && !is_newest) << k;
-      newest_bits |= uint32_t(is_newest) << k;
-      // Only misses need it, but then it is already here when a miss is known.
-      src_row[k] = (valid && !is_newest) ? host_locs[tok[k]] : 0;
-    }
+  for (int k = 0; k < kTopKPerThread; ++k) {
+    const bool valid = tok[k] >= 0 && tok[k] < limit;
+    const bool is_newest = valid && tok[k] == newest;
+    cand_bits |= uint32_t(valid && !is_newest) << k;
+    newest_bits |= uint32_t(is_newest) << k;
   }
   if (tid == 0) s_newest_loc = slot_locs[kHot];
 
@@ -281,6 +333,7 @@ __global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_const
   }
   for (int j = tid; j < kTopK; j += kThreads) s_resolved[j] = 0;
   __syncthreads();
+  mark(Probe::kHashReady);
 
   // Hash every candidate; the value converges to the first top-k index that
   // names the position, which is the occurrence that owns it.
@@ -300,6 +353,7 @@ __global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_const
     }
   }
   __syncthreads();
+  mark(Probe::kHashed);
 
   // ---- Phase B1: which slots hold a selected position (by slot) ...
   int32_t owner[kTopKPerThread];  // owning top-k index of each candidate
@@ -325,6 +379,7 @@ __global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_const
     s_slot_owner[s] = static_cast<int16_t>(found);
   }
   __syncthreads();
+  mark(Probe::kOwners);
 
   // ... and, walking the LRU order, hits claim their top-k entry.
   uint32_t hit_bits = 0;
@@ -343,6 +398,7 @@ __global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_const
     if (lane == 0 && chunk < Smem::kBufChunks) s_buf_cnt[chunk] = __popc(evict_mask);
   }
   __syncthreads();
+  mark(Probe::kClaimed);
 
   // ---- Phase B2: owning candidates that no slot claimed are misses. Which
   // block copies a miss depends only on where its entry sits, so each warp
@@ -350,6 +406,8 @@ __global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_const
   // ranking below (which decides the destination) is still running.
   uint32_t miss_bits = 0;
   uint32_t tasks[kTopKPerThread];  // per k: lanes whose miss this warp copies
+  int64_t src_row[kTopKPerThread];  // host row of the lane's own copy
+  const int64_t* host_locs = p.host_locs + req * p.host_locs_stride;
 #pragma unroll
   for (int k = 0; k < kTopKPerThread; ++k) {
     const int j = k * kThreads + tid;
@@ -359,6 +417,10 @@ __global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_const
     const int chunk = k * kWarps + warp;
     if (lane == 0 && chunk < Smem::kTopKChunks) s_miss_cnt[chunk] = __popc(mask);
     tasks[k] = __ballot_sync(0xffffffffu, miss && (lane + kWarp * k) % split == part);
+    // Host rows are looked up for this block's own copies only: reading them
+    // for every candidate up front costs a scattered load per candidate in
+    // every block, which queues ahead of the resolve's own memory traffic.
+    src_row[k] = (tasks[k] >> lane & 1u) ? host_locs[tok[k]] : 0;
   }
 
   // First task of this warp (warp-uniform): read its row now.
@@ -379,6 +441,7 @@ __global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_const
     if (first_k >= 0) IO::load(staged, p.host_kv, p.host_kv_stride, first_src, lane);
   }
   __syncthreads();
+  mark(Probe::kMissKnown);
 
   // ---- Phase B3: rank non-hit slots (LRU order) and misses (top-k order).
   if (warp == 0) {
@@ -389,6 +452,7 @@ __global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_const
     if (lane == 0) s_misses = total;
   }
   __syncthreads();
+  mark(Probe::kRanked);
 
   const int32_t evictable = s_evictable;
   // More misses than free slots only happens if the slot table holds a
@@ -417,6 +481,7 @@ __global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_const
     }
   }
   __syncthreads();
+  mark(Probe::kPlaced);
 
   // This block has consumed everything it reads from the slot table and LRU.
   if (tid == 0) {
@@ -471,6 +536,7 @@ __global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_const
   if (p.tally != nullptr && part == 0 && tid == 0 && misses > 0) {
     atomicAdd(p.tally + 1, static_cast<unsigned long long>(misses));
   }
+  mark(Probe::kPublished);
 
   if (first_k >= 0 && first_dst >= 0) {
     if constexpr (!kSkipIO) IO::store(staged, p.device_kv, p.device_kv_stride, first_dst, lane);
@@ -494,6 +560,7 @@ __global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_const
 
   // ---- Phase D: the last block to arrive rewrites the slot table and LRU.
   __syncthreads();
+  mark(Probe::kCopied);
   if (s_is_last) {
     int32_t* slot_tokens_out = p.slot_tokens + req * p.slot_tokens_stride;
     int16_t* lru_out = p.lru + req * p.lru_stride;
@@ -504,6 +571,8 @@ __global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_const
     }
     for (int i = tid; i < misses; i += kThreads) slot_tokens_out[s_order[i]] = s_miss_tok[i];
   }
+  mark(Probe::kExit);
+  grid_mark(false);
 }
 
 template <int kTopK, int kHot, int kItemBytes, int kLayout, bool kRecordPlan, bool kSkipIO, int kThreads>
@@ -545,6 +614,7 @@ struct SwapIn {
       tvm::ffi::TensorView req_to_token,
       tvm::ffi::TensorView token_to_row,
       tvm::ffi::TensorView tally,
+      tvm::ffi::TensorView probe,
       int64_t split) {
     using namespace host;
     auto BS = SymbolicSize{"batch"};
@@ -617,6 +687,10 @@ struct SwapIn {
     if (tally.size(0) > 0) {
       TensorMatcher({2}).with_dtype<int64_t>().with_device(cuda).verify(tally);
       params.tally = static_cast<unsigned long long*>(tally.data_ptr());
+    }
+    if (probe.size(0) > 0) {
+      TensorMatcher({Probe::kSlots}).with_dtype<int64_t>().with_device(cuda).verify(probe);
+      params.probe = static_cast<unsigned long long*>(probe.data_ptr());
     }
     if (bs == 0) return;
 

@@ -154,6 +154,7 @@ def swap_in(
     req_to_token: Optional[torch.Tensor] = None,
     token_to_row: Optional[torch.Tensor] = None,
     tally: Optional[torch.Tensor] = None,
+    probe: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Reference swap-in; see the module docstring for the rules.
 
