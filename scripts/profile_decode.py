@@ -1,14 +1,18 @@
 #!/usr/bin/env python3
 """Where a decode step's time goes: torch-profile a running server.
 
-Launches one configuration of ``e2e_gpu.py`` (base / native / ours / noio),
-starts N requests of L prompt tokens, lets them decode for a while, asks the
-server's own profiler (``/start_profile``, CPU + GPU, Python stacks) for a
-few decode steps, and prints a summary of the trace: wall time per step,
-GPU kernel time per step by kernel, CUDA runtime calls (synchronizations
-show up here), and the slowest Python functions of the scheduler process.
+Launches configurations of ``e2e_gpu.py`` (base / native / ours / noio) one
+after another, starts N requests of L prompt tokens in each, lets them
+decode for a while, asks the server's own profiler (``/start_profile``, CPU +
+GPU, optionally Python stacks) for a few decode steps, and prints a summary
+of each trace: wall time per step, how much of it the GPU was busy (the
+union of kernel and copy intervals) and idle, GPU kernel time per step by
+kernel, CUDA runtime calls (synchronizations show up here), and with stacks
+the slowest Python functions of the scheduler process. With several
+configurations it ends with a side-by-side table.
 
-    python scripts/profile_decode.py --config ours --reqs 8 --prompt 9000 --out $OUT
+    python scripts/profile_decode.py --configs base,ours --reqs 1 --prompt 16000 \
+        --new 3000 --warm-s 1.0 --no-stack --out $OUT
 """
 
 from __future__ import annotations
@@ -37,7 +41,27 @@ def post(url: str, body: dict) -> str:
         return r.read().decode()
 
 
-def summarize_trace(path: str, steps: int, top: int = 40) -> str:
+def gpu_busy_us(events: list) -> tuple[float, float]:
+    """(busy, span) in us of GPU activity: the union of the intervals, so
+    kernels overlapping on several streams count once, and the time from
+    the first start to the last end."""
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events)
+    if not spans:
+        return 0.0, 0.0
+    busy, (cur_start, cur_end) = 0.0, spans[0]
+    for start, end in spans[1:]:
+        if start > cur_end:
+            busy += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    return busy, spans[-1][1] - spans[0][0]
+
+
+def summarize_trace(path: str, steps: int, top: int = 40, totals: dict | None = None) -> str:
+    """Text summary of one trace; ``totals`` (if given) receives the per-step
+    figures the side-by-side table needs."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         events = json.load(f)["traceEvents"]
@@ -46,12 +70,32 @@ def summarize_trace(path: str, steps: int, top: int = 40) -> str:
         if e.get("ph") == "X":
             by_cat[e.get("cat", "")].append(e)
     lines = []
+    per = max(steps, 1)
     cpu = by_cat.get("cpu_op", []) + by_cat.get("python_function", [])
+    trace_us = 0.0
     if cpu:
         t0 = min(e["ts"] for e in cpu)
         t1 = max(e["ts"] + e["dur"] for e in cpu)
-        lines.append(f"trace span {((t1 - t0) / 1000):.2f} ms over {steps} steps "
-                     f"= {(t1 - t0) / 1000 / max(steps, 1):.2f} ms/step")
+        trace_us = t1 - t0
+        lines.append(f"trace span {(trace_us / 1000):.2f} ms over {steps} steps "
+                     f"= {trace_us / 1000 / per:.2f} ms/step")
+    gpu = by_cat.get("kernel", []) + by_cat.get("gpu_memcpy", []) + by_cat.get("gpu_memset", [])
+    busy, span = gpu_busy_us(gpu)
+    if span:
+        lines.append(f"GPU: busy {busy / 1000 / per:.3f} ms/step, idle {(span - busy) / 1000 / per:.3f} "
+                     f"ms/step ({100 * busy / span:.0f}% busy over its {span / 1000:.2f} ms)")
+    if totals is not None:
+        totals.update({
+            "trace_ms": trace_us / 1000 / per if trace_us else None,
+            "gpu_span_ms": span / 1000 / per if span else None,
+            "gpu_busy_ms": busy / 1000 / per,
+            "gpu_idle_ms": (span - busy) / 1000 / per,
+            "kernels_per_step": len(by_cat.get("kernel", [])) / per,
+            "kernel_ms": {},
+        })
+        for e in by_cat.get("kernel", []):
+            k = totals["kernel_ms"]
+            k[e["name"]] = k.get(e["name"], 0.0) + e["dur"] / 1000 / per
 
     def table(title, evs, key=lambda e: e["name"]):
         agg = collections.defaultdict(lambda: [0.0, 0])
@@ -98,9 +142,29 @@ def summarize_trace(path: str, steps: int, top: int = 40) -> str:
     return "\n".join(lines)
 
 
+def side_by_side(totals: dict, top: int = 25) -> str:
+    """One column per configuration: step, GPU busy and idle, kernel count,
+    then the kernels with the largest per-step difference."""
+    cols = list(totals)
+    lines = [f"{'per decode step':44s}" + "".join(f"{c:>12s}" for c in cols)]
+    for key, unit in (("trace_ms", "ms"), ("gpu_span_ms", "ms"), ("gpu_busy_ms", "ms"), ("gpu_idle_ms", "ms"),
+                      ("kernels_per_step", "")):
+        vals = [totals[c].get(key) for c in cols]
+        lines.append(f"{key + (' (' + unit + ')' if unit else ''):44s}"
+                     + "".join(f"{v:12.3f}" if v is not None else f"{'-':>12s}" for v in vals))
+    names = {n for c in cols for n in totals[c]["kernel_ms"]}
+    spread = sorted(names, key=lambda n: -(max(totals[c]["kernel_ms"].get(n, 0.0) for c in cols)
+                                           - min(totals[c]["kernel_ms"].get(n, 0.0) for c in cols)))
+    lines.append("kernels (ms/step), largest difference first:")
+    for n in spread[:top]:
+        lines.append(f"  {n[:42]:42s}" + "".join(f"{totals[c]['kernel_ms'].get(n, 0.0):12.4f}" for c in cols))
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", default="ours")
+    ap.add_argument("--configs", "--config", dest="configs", default="ours",
+                    help="comma-separated configurations, profiled one after another")
     ap.add_argument("--model", default=os.environ.get("TINY_DSV32", ".gpu/tiny-dsv32"))
     ap.add_argument("--reqs", type=int, default=1)
     ap.add_argument("--prompt", type=int, default=16000)
@@ -110,18 +174,32 @@ def main(argv=None) -> int:
     ap.add_argument("--extra", default="", help="extra server flags")
     ap.add_argument("--port", type=int, default=30020)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--no-stack", action="store_true",
+                    help="no Python stacks: far less profiler overhead on the CPU side")
     args = ap.parse_args(argv)
+    totals: dict = {}
+    rc = 0
+    for config in args.configs.split(","):
+        totals[config] = {}
+        rc |= profile_one(args, config, totals[config])
+    if len(totals) > 1:
+        table = side_by_side({c: t for c, t in totals.items() if t})
+        print(table)
+        (Path(args.out) / "profile_side_by_side.txt").write_text(table)
+    return rc
 
+
+def profile_one(args, config: str, totals: dict) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tag = f"{args.config}_{args.reqs}x{args.prompt}"
+    tag = f"{config}_{args.reqs}x{args.prompt}"
     prof_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"prof_{tag}"  # traces are large
     prof_dir.mkdir(parents=True, exist_ok=True)
     os.environ["SGLANG_TORCH_PROFILER_DIR"] = str(prof_dir)
     log = out / f"server_prof_{tag}.log"
-    srv = e2e_gpu.Server(args.model, args.port, args.config, args.extra.split(), log)
+    srv = e2e_gpu.Server(args.model, args.port, config, args.extra.split(), log)
     try:
-        print(f"[{args.config}] ready in {srv.wait_ready():.0f}s", flush=True)
+        print(f"[{config}] ready in {srv.wait_ready():.0f}s", flush=True)
         results = []
 
         def one(seed):
@@ -132,12 +210,13 @@ def main(argv=None) -> int:
             t.start()
         time.sleep(args.warm_s)
         post(srv.url + "/start_profile", {"num_steps": args.steps, "activities": ["CPU", "GPU"],
-                                          "with_stack": True, "output_dir": str(prof_dir)})
+                                          "with_stack": not args.no_stack,
+                                          "output_dir": str(prof_dir)})
         for t in threads:
             t.join()
         time.sleep(2)
         stats = e2e_gpu.log_stats(log, 0)
-        print(f"[{args.config}] {len(results)} done; decode step {stats['decode_step_ms']} ms, "
+        print(f"[{config}] {len(results)} done; decode step {stats['decode_step_ms']} ms, "
               f"running max {stats['max_running']}", flush=True)
         # The trace is written after the last profiled step; give it time.
         for _ in range(60):
@@ -150,8 +229,8 @@ def main(argv=None) -> int:
     if not traces:
         print("no trace written")
         return 1
-    text = summarize_trace(traces[0], args.steps)
-    print(text)
+    text = summarize_trace(traces[0], args.steps, totals=totals)
+    print(f"== {config}\n{text}")
     (out / f"profile_{tag}.txt").write_text(text)
     return 0
 

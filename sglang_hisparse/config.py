@@ -11,13 +11,18 @@ Keys (all optional)::
                           value must equal it (the indexer's top-k is fixed by
                           the weights, so any other value is a mistake).
     device_buffer_size    per-request hot buffer on the GPU, in tokens;
-                          default 2 x top_k; must be >= top_k.
+                          default 2 x top_k; must be in [top_k, 32767].
     host_to_device_ratio  host pool size as a multiple of the device KV pool;
                           default 2.
     swap_in_block_size    CUDA threads per block of the swap-in kernel;
                           default: the kernel's own choice (see
                           sglang_hisparse.kernels.default_block_size); a
-                          multiple of 32 in [32, 1024].
+                          multiple of 32 in [64, 1024].
+
+The swap-in kernel's own limits (slots per thread, shared memory per block)
+are checked when the config is resolved against the model, so a config the
+kernel cannot run fails with the server arguments, not at the first decode
+step.
 
 0.5.13's own parser accepts anything json.loads accepts (unknown keys,
 ``true`` as a size, a buffer smaller than top_k with the model's top_k) and
@@ -35,8 +40,10 @@ FLAG = "--hisparse-config"
 
 DEFAULT_HOST_TO_DEVICE_RATIO = 2
 # The kernel splits a block into 32-thread warps that copy items cooperatively,
-# so a partial warp is not allowed; 1024 is CUDA's limit on threads per block.
+# so a partial warp is not allowed; it needs two warps for its two scans, and
+# 1024 is CUDA's limit on threads per block (see kernels/swap_in.py).
 WARP_SIZE = 32
+MIN_SWAP_IN_BLOCK_SIZE = 64
 MAX_SWAP_IN_BLOCK_SIZE = 1024
 
 
@@ -83,6 +90,7 @@ class HiSparseConfig:
             2 * top_k if self.device_buffer_size is None else self.device_buffer_size
         )
         _check_buffer_holds_top_k(device_buffer_size, top_k)
+        _check_swap_in_kernel_limits(top_k, device_buffer_size, self.swap_in_block_size)
         return replace(self, top_k=top_k, device_buffer_size=device_buffer_size)
 
 
@@ -92,8 +100,8 @@ _KEYS: dict[str, tuple[str, Callable[[int], bool]]] = {
     "device_buffer_size": ("a positive integer >= top_k", lambda v: v >= 1),
     "host_to_device_ratio": ("a positive integer", lambda v: v >= 1),
     "swap_in_block_size": (
-        f"a multiple of {WARP_SIZE} in [{WARP_SIZE}, {MAX_SWAP_IN_BLOCK_SIZE}]",
-        lambda v: WARP_SIZE <= v <= MAX_SWAP_IN_BLOCK_SIZE and v % WARP_SIZE == 0,
+        f"a multiple of {WARP_SIZE} in [{MIN_SWAP_IN_BLOCK_SIZE}, {MAX_SWAP_IN_BLOCK_SIZE}]",
+        lambda v: MIN_SWAP_IN_BLOCK_SIZE <= v <= MAX_SWAP_IN_BLOCK_SIZE and v % WARP_SIZE == 0,
     ),
 }
 KNOWN_KEYS: tuple[str, ...] = tuple(_KEYS)
@@ -144,6 +152,45 @@ def _check_buffer_holds_top_k(device_buffer_size: int, top_k: int) -> None:
             f"top_k ({top_k}), since every selected token is placed in the "
             "device buffer"
         )
+
+
+def _check_swap_in_kernel_limits(top_k: int, device_buffer_size: int,
+                                 swap_in_block_size: int | None) -> None:
+    """What the swap-in kernel can run, in this config's own terms."""
+    from sglang_hisparse.kernels.swap_in import (
+        MAX_HOT_BUFFER_SIZE,
+        MAX_POSITIONS_PER_THREAD,
+        MAX_SMEM_BYTES,
+        default_block_size,
+        swap_in_smem_bytes,
+    )
+
+    if device_buffer_size > MAX_HOT_BUFFER_SIZE:
+        raise HiSparseConfigError(
+            f"{FLAG}: device_buffer_size must be <= {MAX_HOT_BUFFER_SIZE} (the swap-in "
+            f"kernel keeps each buffer's LRU order in int16), got {device_buffer_size}"
+        )
+    smem = swap_in_smem_bytes(top_k, device_buffer_size)
+    if smem > MAX_SMEM_BYTES:
+        fits = [b for b in range(top_k, MAX_HOT_BUFFER_SIZE + 1, 64)
+                if swap_in_smem_bytes(top_k, b) <= MAX_SMEM_BYTES]
+        hint = (f"device_buffer_size must be <= {fits[-1]} with top_k {top_k}" if fits
+                else f"top_k {top_k} is too large for the swap-in kernel")
+        raise HiSparseConfigError(
+            f"{FLAG}: top_k {top_k} with device_buffer_size {device_buffer_size} needs "
+            f"{smem} B of shared memory per swap-in block, more than the "
+            f"{MAX_SMEM_BYTES} B a block can have; {hint}"
+        )
+    block = swap_in_block_size or default_block_size(device_buffer_size)
+    for name, size in (("device_buffer_size", device_buffer_size), ("top_k", top_k)):
+        if -(-size // block) > MAX_POSITIONS_PER_THREAD:
+            least = -(-size // MAX_POSITIONS_PER_THREAD)
+            least = -(-least // WARP_SIZE) * WARP_SIZE
+            raise HiSparseConfigError(
+                f"{FLAG}: swap_in_block_size {block} is too small for {name} {size}: "
+                f"each thread tracks at most {MAX_POSITIONS_PER_THREAD} positions, so "
+                f"swap_in_block_size must be >= {least}"
+            )
 
 
 def _reject_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:

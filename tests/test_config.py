@@ -78,13 +78,13 @@ def test_sizes_must_be_positive_integers(key, value):
     assert f"got {json.dumps(value)}" in message
 
 
-@pytest.mark.parametrize("value", [0, 31, 33, 1000, 1056, 2048, True, 960.0])
+@pytest.mark.parametrize("value", [0, 31, 32, 33, 1000, 1056, 2048, True, 960.0])
 def test_swap_in_block_size_bounds(value):
     message = _error(json.dumps({"swap_in_block_size": value}))
-    assert "swap_in_block_size must be a multiple of 32 in [32, 1024]" in message
+    assert "swap_in_block_size must be a multiple of 32 in [64, 1024]" in message
 
 
-@pytest.mark.parametrize("value", [32, 960, 1024])
+@pytest.mark.parametrize("value", [64, 960, 1024])
 def test_swap_in_block_size_accepted(value):
     config = parse_hisparse_config(json.dumps({"swap_in_block_size": value}))
     assert config.swap_in_block_size == value
@@ -108,11 +108,39 @@ def test_buffer_equal_to_top_k_is_allowed():
     assert config.resolve(2048).device_buffer_size == 2048
 
 
-def test_top_k_must_match_the_model():
-    config = parse_hisparse_config('{"top_k": 64}')
+def _resolve_error(text: str, model_index_topk: int) -> str:
+    config = parse_hisparse_config(text)
     with pytest.raises(HiSparseConfigError) as info:
+        config.resolve(model_index_topk=model_index_topk)
+    return str(info.value)
+
+
+def test_buffer_beyond_the_kernels_int16_lru_fails_at_resolve():
+    config = parse_hisparse_config('{"device_buffer_size": 40000}')
+    with pytest.raises(HiSparseConfigError,
+                       match=r"device_buffer_size must be <= 32767 .*int16\), got 40000"):
         config.resolve(model_index_topk=2048)
-    message = str(info.value)
+
+
+def test_block_size_too_small_for_the_buffer_fails_at_resolve():
+    # 4096 slots over 64 threads would be 64 per thread; the kernel keeps 32.
+    message = _resolve_error('{"swap_in_block_size": 64}', 2048)
+    assert "swap_in_block_size 64 is too small for device_buffer_size 4096" in message
+    assert "swap_in_block_size must be >= 128" in message
+    assert parse_hisparse_config('{"swap_in_block_size": 128}').resolve(2048).swap_in_block_size == 128
+
+
+def test_shared_memory_per_block_is_checked_at_resolve():
+    message = _resolve_error('{"device_buffer_size": 16384}', 8192)
+    assert "B of shared memory per swap-in block" in message
+    limit = int(message.rsplit("device_buffer_size must be <= ", 1)[1].split()[0])
+    assert 8192 <= limit < 16384 and limit % 64 == 0
+    parse_hisparse_config(f'{{"device_buffer_size": {limit}}}').resolve(model_index_topk=8192)
+    assert "top_k 16384 is too large" in _resolve_error('{"device_buffer_size": 16384}', 16384)
+
+
+def test_top_k_must_match_the_model():
+    message = _resolve_error('{"top_k": 64}', 2048)
     assert "--hisparse-config" in message and "top_k is 64" in message
     assert "index_topk is 2048" in message and "omit top_k or set it to 2048" in message
 

@@ -34,7 +34,11 @@ SWAP_IN_SOURCE = CSRC_DIR / "swap_in.cuh"
 COPY_PLANNED_SOURCE = CSRC_DIR / "copy_planned.cuh"
 
 # The kernel keeps one bit per buffer position a thread owns, in 32-bit masks.
-_MAX_POSITIONS_PER_THREAD = 32
+MAX_POSITIONS_PER_THREAD = 32
+# LRU slots are int16.
+MAX_HOT_BUFFER_SIZE = 32767
+# Whole warps, at least two (two warps run the block's two scans at once).
+MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 64, 1024
 # Copy-planned launcher limit (offsets of all rows live in shared memory).
 _MAX_PLANNED_ROWS = 12000
 _ARRIVALS_MIN_ROWS = 4096
@@ -54,7 +58,7 @@ def default_block_size(hot_buffer_size: int) -> int:
 
 
 # Mirrors SwapInSmem in swap_in.cuh; a block may use at most 227 KiB.
-_MAX_SMEM_BYTES = 227 * 1024
+MAX_SMEM_BYTES = 227 * 1024
 
 
 def swap_in_smem_bytes(top_k: int, hot_buffer_size: int) -> int:
@@ -69,16 +73,17 @@ def swap_in_smem_bytes(top_k: int, hot_buffer_size: int) -> int:
 
 
 def _check_block_size(block_size: int, top_k: int, hot_buffer_size: int) -> None:
-    if block_size % 32 or not 64 <= block_size <= 1024:
+    if block_size % 32 or not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE:
         raise ValueError(
-            f"block_size must be a multiple of 32 in [64, 1024], got {block_size}"
+            f"block_size must be a multiple of 32 in [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}], "
+            f"got {block_size}"
         )
-    if math.ceil(hot_buffer_size / block_size) > _MAX_POSITIONS_PER_THREAD:
+    if math.ceil(hot_buffer_size / block_size) > MAX_POSITIONS_PER_THREAD:
         raise ValueError(
             f"block_size {block_size} is too small for hot_buffer_size "
-            f"{hot_buffer_size}: at most {_MAX_POSITIONS_PER_THREAD} slots per thread"
+            f"{hot_buffer_size}: at most {MAX_POSITIONS_PER_THREAD} slots per thread"
         )
-    if math.ceil(top_k / block_size) > _MAX_POSITIONS_PER_THREAD:
+    if math.ceil(top_k / block_size) > MAX_POSITIONS_PER_THREAD:
         raise ValueError(f"block_size {block_size} is too small for top_k {top_k}")
 
 
@@ -86,7 +91,7 @@ def _check_sizes(top_k: int, hot_buffer_size: int, item_bytes: int, layout: str)
     layout_id = _layout_id(layout)
     if top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
-    if not top_k <= hot_buffer_size <= 32767:
+    if not top_k <= hot_buffer_size <= MAX_HOT_BUFFER_SIZE:
         raise ValueError(
             f"hot_buffer_size must be in [top_k, 32767] (lru is int16), got "
             f"{hot_buffer_size} with top_k {top_k}"
@@ -100,10 +105,10 @@ def _check_sizes(top_k: int, hot_buffer_size: int, item_bytes: int, layout: str)
     elif item_bytes <= 0 or item_bytes % 4:
         raise ValueError(f"item_bytes must be a positive multiple of 4, got {item_bytes}")
     smem = swap_in_smem_bytes(top_k, hot_buffer_size)
-    if smem > _MAX_SMEM_BYTES:
+    if smem > MAX_SMEM_BYTES:
         raise ValueError(
             f"top_k {top_k} with hot_buffer_size {hot_buffer_size} needs {smem} B of "
-            f"shared memory per block; the limit is {_MAX_SMEM_BYTES}"
+            f"shared memory per block; the limit is {MAX_SMEM_BYTES}"
         )
     return layout_id
 

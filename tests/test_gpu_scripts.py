@@ -1,0 +1,93 @@
+"""The pure parts of the GPU scripts, on the CPU: how profile_decode.py
+reads a trace, how e2e_gpu.py turns step-timer snapshots into a workload's
+share, and the step-timer plugin itself. The next GPU session relies on
+these numbers, so they are checked here rather than trusted on the device."""
+
+import gzip
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def _load(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _trace(path, kernels, cpu_span=(0, 4000)):
+    events = [{"ph": "X", "cat": "cpu_op", "name": "step", "ts": cpu_span[0],
+               "dur": cpu_span[1] - cpu_span[0], "pid": 1, "tid": 1}]
+    events += [{"ph": "X", "cat": "kernel", "name": n, "ts": t, "dur": d} for n, t, d in kernels]
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    return str(path)
+
+
+def test_profile_counts_overlapping_gpu_work_once(tmp_path):
+    prof = _load("profile_decode", SCRIPTS / "profile_decode.py")
+    # Two steps: [0, 100) and [50, 150) overlap on two streams, then [300, 400).
+    assert prof.gpu_busy_us([{"ts": 0, "dur": 100}, {"ts": 50, "dur": 100},
+                             {"ts": 300, "dur": 100}]) == (250.0, 400.0)
+    totals = {}
+    path = _trace(tmp_path / "a.trace.json.gz",
+                  [("attn", 0, 100), ("swap_in", 50, 100), ("attn", 300, 100)])
+    text = prof.summarize_trace(path, steps=2, totals=totals)
+    assert "GPU: busy 0.125 ms/step, idle 0.075 ms/step (62% busy" in text
+    assert totals["trace_ms"] == 2.0 and totals["gpu_span_ms"] == 0.2
+    assert totals["kernel_ms"] == {"attn": 0.1, "swap_in": 0.05}
+    other = {}
+    prof.summarize_trace(_trace(tmp_path / "b.trace.json.gz", [("attn", 0, 40)]), 2,
+                         totals=other)
+    table = prof.side_by_side({"base": other, "ours": totals}).splitlines()
+    assert table[0].split()[-2:] == ["base", "ours"]
+    first_kernel = table[table.index("kernels (ms/step), largest difference first:") + 1]
+    assert first_kernel.split()[0] == "attn"  # 0.02 vs 0.10 differs more than swap_in's 0 vs 0.05
+    assert first_kernel.split()[1:] == ["0.0200", "0.1000"]
+
+
+def test_step_timer_share_of_one_workload(tmp_path, capsys):
+    e2e = _load("e2e_gpu", SCRIPTS / "e2e_gpu.py")
+    out = tmp_path / "timer"
+    out.mkdir()
+    (out / "steptimer_1.json").write_text(json.dumps(
+        {"stats": {"Scheduler.run_batch": [1.0, 100], "Scheduler.idle": [0.5, 10]}}))
+    before = e2e.step_timer_snapshot(out)
+    (out / "steptimer_1.json").write_text(json.dumps(
+        {"stats": {"Scheduler.run_batch": [1.5, 300], "Scheduler.idle": [0.5, 10],
+                   "coordinator.map_last_loc_to_buffer": [0.02, 200]}}))
+    (out / "steptimer_1.json.tmp").write_text("{partial")  # a dump in progress is ignored
+    diff = e2e.step_timer_diff(before, e2e.step_timer_snapshot(out))
+    assert diff == {"Scheduler.run_batch": [0.5, 200],
+                    "coordinator.map_last_loc_to_buffer": [0.02, 200]}
+    results = {"ours": {"lone": [{"step_timer": diff}]}}
+    e2e.print_step_timer(results, ["ours"], ["lone"])
+    text = capsys.readouterr().out
+    assert "us per scheduled batch" in text
+    row = [line for line in text.splitlines() if line.startswith("coordinator.map_last_loc")][0]
+    assert float(row.split()[-1]) == 100.0  # 20 ms over 200 batches
+
+
+def test_step_timer_plugin_times_and_stays_off_without_its_variable(monkeypatch, tmp_path):
+    sys.path.insert(0, str(SCRIPTS / "steptimer"))
+    try:
+        timer = _load("hisparse_steptimer", SCRIPTS / "steptimer" / "hisparse_steptimer.py")
+    finally:
+        sys.path.pop(0)
+    monkeypatch.delenv("STEPTIMER_OUT", raising=False)
+    from sglang.srt.managers.scheduler import Scheduler
+
+    loop = Scheduler.run_event_loop
+    timer.register()
+    assert Scheduler.run_event_loop is loop  # off: SGLang untouched
+
+    calls = []
+    wrapped = timer._timed("f", lambda x: calls.append(x) or x * 2)
+    assert [wrapped(1), wrapped(2)] == [2, 4] and calls == [1, 2]
+    assert timer._stats["f"][1] == 2 and timer._stats["f"][0] >= 0
+    meta = (SCRIPTS / "steptimer" / "hisparse_steptimer-0.1.dist-info" / "entry_points.txt").read_text()
+    assert "[sglang.srt.plugins]" in meta and "hisparse_steptimer:register" in meta
