@@ -106,8 +106,8 @@ class World:
         return torch.stack(rows).to(torch.int32).cuda()
 
     def residency(self) -> dict:
-        """Every request resident: its positions map through req_to_token
-        (identity here) to device rows (the slot rows, cycled)."""
+        """Every request resident: position p maps through req_to_token
+        (the identity here) to device row p modulo the pool's rows."""
         if not hasattr(self, "_residency"):
             self._residency = dict(
                 resident=torch.ones(self.max_bs, dtype=torch.int32, device="cuda"),
