@@ -246,7 +246,7 @@ def breakdown(world: World, timer: Timer, batches, misses) -> list[dict]:
             variants = {"split=1": dict(blocks_per_req=1)}
             if bs == 1:
                 variants.update({"split=8": dict(blocks_per_req=8), "split=32": dict(blocks_per_req=32)})
-            for threads in (256, 1024):
+            for threads in (256, 512):
                 variants[f"threads={threads}"] = dict(block_size=threads)
             for name, kw in variants.items():
                 row[name], _ = timer.median_us(
@@ -333,19 +333,20 @@ def prebuild(breakdown: bool) -> None:
     """Builds every kernel the run will time, several at once: each build is
     an nvcc subprocess, so threads overlap them (0.5.23's build swaps the
     loader's include path and runs alone afterwards)."""
-    import importlib
     from concurrent.futures import ThreadPoolExecutor
 
     from sglang.jit_kernel.utils import get_jit_cuda_arch
 
-    swap_in_mod = importlib.import_module("sglang_hisparse.kernels.swap_in")
+    from sglang_hisparse.kernels import compile_variants, default_block_size
+
     # Set once, so the loader's per-build set/restore of it cannot race.
     os.environ.setdefault("TVM_FFI_CUDA_ARCH_LIST", get_jit_cuda_arch().target_name)
-    threads = swap_in_mod.default_block_size(HOT)
+    threads = default_block_size(HOT)
     jobs = [(False, threads), (True, threads)]
     if breakdown:
-        jobs += [(False, 256), (False, 1024)]
-    builds = [lambda s=skip, t=t: swap_in_mod._swap_in_module(TOP_K, HOT, ITEM, 0, False, s, t)
+        jobs += [(False, t) for t in (256, 512) if t != threads]
+    builds = [lambda s=skip, t=t: compile_variants(TOP_K, HOT, ITEM, record_plan=(False,), skip_io=(s,),
+                                                   block_size=t, copy_planned=False)
               for skip, t in jobs]
     try:
         from sglang.jit_kernel.hisparse import _jit_sparse_module

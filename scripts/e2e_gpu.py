@@ -116,7 +116,6 @@ def server_cmd(model: str, port: int, config: str, extra: list[str],
 class Server:
     def __init__(self, model, port, config, extra, log_path, step_timer_out=None):
         cmd, env = server_cmd(model, port, config, extra, step_timer_out)
-        self.step_timer_out = step_timer_out
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
         self.log = open(log_path, "w")

@@ -156,41 +156,13 @@ def _check_buffer_holds_top_k(device_buffer_size: int, top_k: int) -> None:
 
 def _check_swap_in_kernel_limits(top_k: int, device_buffer_size: int,
                                  swap_in_block_size: int | None) -> None:
-    """What the swap-in kernel can run, in this config's own terms."""
-    from sglang_hisparse.kernels.swap_in import (
-        MAX_HOT_BUFFER_SIZE,
-        MAX_POSITIONS_PER_THREAD,
-        MAX_SMEM_BYTES,
-        default_block_size,
-        swap_in_smem_bytes,
-    )
+    """What the swap-in kernel can run, named as this config names the sizes."""
+    from sglang_hisparse.kernels.swap_in import size_problem
 
-    if device_buffer_size > MAX_HOT_BUFFER_SIZE:
-        raise HiSparseConfigError(
-            f"{FLAG}: device_buffer_size must be <= {MAX_HOT_BUFFER_SIZE} (the swap-in "
-            f"kernel keeps each buffer's LRU order in int16), got {device_buffer_size}"
-        )
-    smem = swap_in_smem_bytes(top_k, device_buffer_size)
-    if smem > MAX_SMEM_BYTES:
-        fits = [b for b in range(top_k, MAX_HOT_BUFFER_SIZE + 1, 64)
-                if swap_in_smem_bytes(top_k, b) <= MAX_SMEM_BYTES]
-        hint = (f"device_buffer_size must be <= {fits[-1]} with top_k {top_k}" if fits
-                else f"top_k {top_k} is too large for the swap-in kernel")
-        raise HiSparseConfigError(
-            f"{FLAG}: top_k {top_k} with device_buffer_size {device_buffer_size} needs "
-            f"{smem} B of shared memory per swap-in block, more than the "
-            f"{MAX_SMEM_BYTES} B a block can have; {hint}"
-        )
-    block = swap_in_block_size or default_block_size(device_buffer_size)
-    for name, size in (("device_buffer_size", device_buffer_size), ("top_k", top_k)):
-        if -(-size // block) > MAX_POSITIONS_PER_THREAD:
-            least = -(-size // MAX_POSITIONS_PER_THREAD)
-            least = -(-least // WARP_SIZE) * WARP_SIZE
-            raise HiSparseConfigError(
-                f"{FLAG}: swap_in_block_size {block} is too small for {name} {size}: "
-                f"each thread tracks at most {MAX_POSITIONS_PER_THREAD} positions, so "
-                f"swap_in_block_size must be >= {least}"
-            )
+    problem = size_problem(top_k, device_buffer_size, swap_in_block_size,
+                           hot_name="device_buffer_size", block_name="swap_in_block_size")
+    if problem:
+        raise HiSparseConfigError(f"{FLAG}: {problem}")
 
 
 def _reject_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:

@@ -118,7 +118,8 @@ def _resolve_error(text: str, model_index_topk: int) -> str:
 def test_buffer_beyond_the_kernels_int16_lru_fails_at_resolve():
     config = parse_hisparse_config('{"device_buffer_size": 40000}')
     with pytest.raises(HiSparseConfigError,
-                       match=r"device_buffer_size must be <= 32767 .*int16\), got 40000"):
+                       match=r"device_buffer_size must be in \[top_k, 32767\] \(lru is int16\), "
+                             r"got 40000 with top_k 2048"):
         config.resolve(model_index_topk=2048)
 
 
@@ -126,13 +127,13 @@ def test_block_size_too_small_for_the_buffer_fails_at_resolve():
     # 4096 slots over 64 threads would be 64 per thread; the kernel keeps 32.
     message = _resolve_error('{"swap_in_block_size": 64}', 2048)
     assert "swap_in_block_size 64 is too small for device_buffer_size 4096" in message
-    assert "swap_in_block_size must be >= 128" in message
+    assert "at most 32 slots per thread, so swap_in_block_size must be >= 128" in message
     assert parse_hisparse_config('{"swap_in_block_size": 128}').resolve(2048).swap_in_block_size == 128
 
 
 def test_shared_memory_per_block_is_checked_at_resolve():
     message = _resolve_error('{"device_buffer_size": 16384}', 8192)
-    assert "B of shared memory per swap-in block" in message
+    assert "B of shared memory per block; the limit is 232448" in message
     limit = int(message.rsplit("device_buffer_size must be <= ", 1)[1].split()[0])
     assert 8192 <= limit < 16384 and limit % 64 == 0
     parse_hisparse_config(f'{{"device_buffer_size": {limit}}}').resolve(model_index_topk=8192)

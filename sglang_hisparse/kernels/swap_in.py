@@ -72,30 +72,54 @@ def swap_in_smem_bytes(top_k: int, hot_buffer_size: int) -> int:
     )
 
 
-def _check_block_size(block_size: int, top_k: int, hot_buffer_size: int) -> None:
-    if block_size % 32 or not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE:
-        raise ValueError(
-            f"block_size must be a multiple of 32 in [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}], "
-            f"got {block_size}"
-        )
-    if math.ceil(hot_buffer_size / block_size) > MAX_POSITIONS_PER_THREAD:
-        raise ValueError(
-            f"block_size {block_size} is too small for hot_buffer_size "
-            f"{hot_buffer_size}: at most {MAX_POSITIONS_PER_THREAD} slots per thread"
-        )
-    if math.ceil(top_k / block_size) > MAX_POSITIONS_PER_THREAD:
-        raise ValueError(f"block_size {block_size} is too small for top_k {top_k}")
+def size_problem(
+    top_k: int,
+    hot_buffer_size: int,
+    block_size: Optional[int] = None,
+    *,
+    hot_name: str = "hot_buffer_size",
+    block_name: str = "block_size",
+) -> Optional[str]:
+    """Why the swap-in kernel cannot run these sizes, or None if it can.
 
-
-def _check_sizes(top_k: int, hot_buffer_size: int, item_bytes: int, layout: str) -> int:
-    layout_id = _layout_id(layout)
+    The one statement of the kernel's size limits, shared by the launch
+    wrappers and by ``--hisparse-config`` validation, which passes its own
+    names for the sizes (``device_buffer_size``, ``swap_in_block_size``) so
+    the message names what the user wrote. ``block_size`` None: the default.
+    """
+    hot = hot_buffer_size
     if top_k < 1:
-        raise ValueError(f"top_k must be >= 1, got {top_k}")
-    if not top_k <= hot_buffer_size <= MAX_HOT_BUFFER_SIZE:
-        raise ValueError(
-            f"hot_buffer_size must be in [top_k, 32767] (lru is int16), got "
-            f"{hot_buffer_size} with top_k {top_k}"
-        )
+        return f"top_k must be >= 1, got {top_k}"
+    if not top_k <= hot <= MAX_HOT_BUFFER_SIZE:
+        return (f"{hot_name} must be in [top_k, {MAX_HOT_BUFFER_SIZE}] (lru is int16), "
+                f"got {hot} with top_k {top_k}")
+    smem = swap_in_smem_bytes(top_k, hot)
+    if smem > MAX_SMEM_BYTES:
+        fits = [b for b in range(top_k, MAX_HOT_BUFFER_SIZE + 1, 64)
+                if swap_in_smem_bytes(top_k, b) <= MAX_SMEM_BYTES]
+        hint = (f"{hot_name} must be <= {fits[-1]} with top_k {top_k}" if fits
+                else f"top_k {top_k} is too large for the swap-in kernel")
+        return (f"top_k {top_k} with {hot_name} {hot} needs {smem} B of shared memory "
+                f"per block; the limit is {MAX_SMEM_BYTES}; {hint}")
+    block = default_block_size(hot) if block_size is None else block_size
+    if block % 32 or not MIN_BLOCK_SIZE <= block <= MAX_BLOCK_SIZE:
+        return (f"{block_name} must be a multiple of 32 in [{MIN_BLOCK_SIZE}, "
+                f"{MAX_BLOCK_SIZE}], got {block}")
+    for name, size in ((hot_name, hot), ("top_k", top_k)):
+        if math.ceil(size / block) > MAX_POSITIONS_PER_THREAD:
+            least = 32 * math.ceil(math.ceil(size / MAX_POSITIONS_PER_THREAD) / 32)
+            return (f"{block_name} {block} is too small for {name} {size}: at most "
+                    f"{MAX_POSITIONS_PER_THREAD} slots per thread, so {block_name} "
+                    f"must be >= {least}")
+    return None
+
+
+def _check_sizes(top_k: int, hot_buffer_size: int, item_bytes: int, layout: str,
+                 block_size: Optional[int] = None) -> int:
+    layout_id = _layout_id(layout)
+    problem = size_problem(top_k, hot_buffer_size, block_size)
+    if problem:
+        raise ValueError(problem)
     if layout_id == _C4:
         if item_bytes != C4_ITEM_BYTES:
             raise ValueError(
@@ -104,12 +128,6 @@ def _check_sizes(top_k: int, hot_buffer_size: int, item_bytes: int, layout: str)
             )
     elif item_bytes <= 0 or item_bytes % 4:
         raise ValueError(f"item_bytes must be a positive multiple of 4, got {item_bytes}")
-    smem = swap_in_smem_bytes(top_k, hot_buffer_size)
-    if smem > MAX_SMEM_BYTES:
-        raise ValueError(
-            f"top_k {top_k} with hot_buffer_size {hot_buffer_size} needs {smem} B of "
-            f"shared memory per block; the limit is {MAX_SMEM_BYTES}"
-        )
     return layout_id
 
 
@@ -229,8 +247,7 @@ def compile_variants(
     """
     hot_buffer_size = hot_buffer_size or device_buffer_size or 2 * top_k
     block_size = block_size or swap_in_block_size or default_block_size(hot_buffer_size)
-    layout_id = _check_sizes(top_k, hot_buffer_size, item_bytes, layout)
-    _check_block_size(block_size, top_k, hot_buffer_size)
+    layout_id = _check_sizes(top_k, hot_buffer_size, item_bytes, layout, block_size)
     built = []
     with _arch_context():
         for rec in dict.fromkeys(bool(x) for x in record_plan):
@@ -530,7 +547,8 @@ def swap_in(
     _check_tensor("host_locs", host_locs, dtypes=(torch.int64,), ndim=2, device=device)
     layout_id = _layout_id(layout)
     item_bytes = _check_kv(layout, host_kv, device_kv, device)
-    _check_sizes(top_k, hot, item_bytes, layout)
+    threads = block_size if block_size is not None else default_block_size(hot)
+    _check_sizes(top_k, hot, item_bytes, layout, threads)
     record = _check_plan(miss_src, miss_dst, miss_count, bs, top_k, device)
     residency = _check_residency(resident, req_to_token, token_to_row, max_reqs, device)
     if tally is not None:
@@ -543,8 +561,6 @@ def swap_in(
         if probe.numel() != PROBE_SLOTS:
             _fail("probe", f"expected {PROBE_SLOTS} elements, got {probe.numel()}")
 
-    threads = block_size if block_size is not None else default_block_size(hot)
-    _check_block_size(threads, top_k, hot)
     if blocks_per_req is None:
         split = default_blocks_per_req(device, bs, top_k, threads)
     else:
