@@ -115,6 +115,17 @@ def _resolve_error(text: str, model_index_topk: int) -> str:
     return str(info.value)
 
 
+def test_block_size_bounds_are_the_kernels():
+    # The parser keeps its own copy so that importing it stays torch-free.
+    import importlib
+
+    from sglang_hisparse import config
+
+    kernel = importlib.import_module("sglang_hisparse.kernels.swap_in")
+    assert (config.MIN_SWAP_IN_BLOCK_SIZE, config.MAX_SWAP_IN_BLOCK_SIZE) == (
+        kernel.MIN_BLOCK_SIZE, kernel.MAX_BLOCK_SIZE)
+
+
 def test_buffer_beyond_the_kernels_int16_lru_fails_at_resolve():
     config = parse_hisparse_config('{"device_buffer_size": 40000}')
     with pytest.raises(HiSparseConfigError,
