@@ -31,6 +31,14 @@ function's wall time per scheduled batch, one column per configuration. It
 adds about 0.3 ms of Python per step: compare its columns with each other,
 and take TPOT from runs without it.
 
+Noise: the step time of these tiny-model servers is the scheduler's Python,
+so it follows the speed of the core the scheduler lands on. On the lent H200
+VM one core ran the same loop up to 1.9x slower than another, and a launch
+can sit on a slow core for its whole life or move mid-request (seen as
+bimodal decode log rates). Compare configurations over several launches
+(``--repeats 3`` or more); ``--cpu-probe`` times a loop on every core first
+and prints the spread, so a report can say how noisy the machine was.
+
 Exactness: greedy outputs with top-2 logprobs; a step counts when both
 servers produced the same prefix so far and the baseline's top-1/top-2
 margin exceeds --margin; such steps must agree within --tol.
@@ -111,6 +119,42 @@ def server_cmd(model: str, port: int, config: str, extra: list[str],
         others = {ep.name for ep in entry_points(group="sglang.srt.plugins")} - {"sglang_hisparse"}
         env["SGLANG_PLUGINS"] = ",".join(sorted(others)) or "__none__"
     return args, env
+
+
+def cpu_core_speeds(loops: int = 3_000_000) -> dict[int, float]:
+    """Seconds one Python loop takes pinned to each core (one after another,
+    so they do not compete)."""
+    code = ("import os, sys, time\n"
+            "os.sched_setaffinity(0, {int(sys.argv[1])})\n"
+            "t = time.perf_counter(); s = 0\n"
+            f"for i in range({loops}): s += i\n"
+            "print(time.perf_counter() - t)\n")
+    speeds = {}
+    for core in sorted(os.sched_getaffinity(0)):
+        out = subprocess.run([sys.executable, "-c", code, str(core)], capture_output=True,
+                             text=True, timeout=120)
+        if out.returncode == 0:
+            speeds[core] = float(out.stdout.strip())
+    return speeds
+
+
+def describe_core_speeds(speeds: dict[int, float]) -> str:
+    if not speeds:
+        return "cpu probe: no core could be timed"
+    fast, slow = min(speeds.values()), max(speeds.values())
+    cores = " ".join(f"{c}:{t * 1000:.0f}" for c, t in sorted(speeds.items()))
+    return (f"cpu probe (ms per loop, core:ms): {cores}; slowest / fastest = "
+            f"{slow / fast:.2f}")
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM (e.g. from ``timeout``) into SystemExit, so that the
+    ``finally`` blocks stop the servers: a server left running keeps its
+    port and GPU memory and spoils every later launch on the machine."""
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
 
 
 class Server:
@@ -303,11 +347,18 @@ def main() -> int:
     ap.add_argument("--step-timer", action="store_true",
                     help="time the scheduler's per-step functions in every server "
                          "(scripts/steptimer) and print them per workload and config")
+    ap.add_argument("--cpu-probe", action="store_true",
+                    help="first time a Python loop on every core and print the spread (see Noise above)")
     ap.add_argument("--baseline-json", default=None,
                     help="take the base runs from an earlier e2e JSON instead of launching base")
     args = ap.parse_args()
     if args.merge:
         return merge(args)
+    exit_on_sigterm()
+    env: dict = {}
+    if args.cpu_probe:
+        env["cpu_core_s"] = cpu_core_speeds()
+        print(describe_core_speeds(env["cpu_core_s"]), flush=True)
     configs = args.configs.split(",")
     workloads = args.workloads.split(",")
     results: dict = {c: {w: [] for w in workloads} for c in configs}
@@ -356,6 +407,8 @@ def main() -> int:
                                                     **log_stats(log, 0)})
                 finally:
                     srv.stop()
+                # What is done so far survives a later launch being cut off.
+                Path(args.out).write_text(json.dumps({"partial": True, "env": env, "runs": results}, indent=1))
     if args.baseline_json and "base" not in configs:
         earlier = json.loads(Path(args.baseline_json).read_text())["runs"]["base"]
         results["base"] = {w: earlier.get(w, []) for w in workloads}
@@ -363,7 +416,7 @@ def main() -> int:
     summary = summarize(results, configs, workloads, args.margin, args.tol)
     if args.step_timer:
         print_step_timer(results, configs, workloads)
-    Path(args.out).write_text(json.dumps({"summary": summary, "runs": results}, indent=1))
+    Path(args.out).write_text(json.dumps({"summary": summary, "env": env, "runs": results}, indent=1))
     return 0 if all(s.get("ok", True) for s in summary) else 1
 
 

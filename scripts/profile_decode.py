@@ -9,7 +9,10 @@ of each trace: wall time per step, how much of it the GPU was busy (the
 union of kernel and copy intervals) and idle, GPU kernel time per step by
 kernel, CUDA runtime calls (synchronizations show up here), and with stacks
 the slowest Python functions of the scheduler process. With several
-configurations it ends with a side-by-side table.
+configurations it ends with a side-by-side table. ``--thread-sample-s S``
+first lists the threads on the whole machine that used the most CPU over S
+seconds of decoding (a spinning neighbour slows the scheduler without
+showing in its profile).
 
     python scripts/profile_decode.py --configs base,ours --reqs 1 --prompt 16000 \
         --new 3000 --warm-s 1.0 --no-stack --out $OUT
@@ -23,6 +26,7 @@ import glob
 import gzip
 import json
 import os
+import shutil
 import sys
 import threading
 import time
@@ -57,6 +61,52 @@ def gpu_busy_us(events: list) -> tuple[float, float]:
             cur_end = max(cur_end, end)
     busy += cur_end - cur_start
     return busy, spans[-1][1] - spans[0][0]
+
+
+def thread_cpu_times() -> dict:
+    """{(pid, tid): (process name, thread name, cpu, ticks)} for every thread
+    on the machine, from /proc (utime + stime, in clock ticks)."""
+    out = {}
+    for stat in glob.glob("/proc/[0-9]*/task/[0-9]*/stat"):
+        try:
+            text = Path(stat).read_text()
+            proc = Path(stat).parents[2] / "comm"
+            pname = proc.read_text().strip()
+        except OSError:
+            continue
+        # The thread name is in parentheses and may itself contain spaces.
+        name = text[text.index("(") + 1:text.rindex(")")]
+        fields = text[text.rindex(")") + 2:].split()
+        ticks = int(fields[11]) + int(fields[12])  # utime, stime
+        parts = stat.split("/")
+        out[(int(parts[2]), int(parts[4]))] = (pname, name, int(fields[36]), ticks)
+    return out
+
+
+def busiest_threads(seconds: float, top: int = 15) -> str:
+    """The threads that used the most CPU over the next ``seconds``: a
+    thread spinning beside the scheduler (an OpenMP pool, a poller) slows it
+    down without appearing in its own profile."""
+    hz = os.sysconf("SC_CLK_TCK")
+    # Reading every thread's stat can itself take a second or more on a busy
+    # machine: divide by the time between the snapshots' midpoints.
+    t0 = time.monotonic()
+    before = thread_cpu_times()
+    t1 = time.monotonic()
+    time.sleep(seconds)
+    t2 = time.monotonic()
+    after = thread_cpu_times()
+    seconds = ((t2 + time.monotonic()) - (t0 + t1)) / 2
+    rows = []
+    for key, (pname, name, cpu, ticks) in after.items():
+        used = ticks - before.get(key, (None, None, None, ticks))[3]
+        if used > 0:
+            rows.append((100.0 * used / hz / seconds, key, pname, name, cpu))
+    rows.sort(reverse=True)
+    lines = [f"busiest threads over {seconds:.1f} s (% of one core; cpu = last core it ran on):"]
+    lines += [f"  {pct:6.1f}%  pid {pid:>7} tid {tid:>7}  cpu {cpu:>3}  {pname[:20]:20s} {name[:30]}"
+              for pct, (pid, tid), pname, name, cpu in rows[:top]]
+    return "\n".join(lines)
 
 
 def summarize_trace(path: str, steps: int, top: int = 40, totals: dict | None = None) -> str:
@@ -176,7 +226,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--no-stack", action="store_true",
                     help="no Python stacks: far less profiler overhead on the CPU side")
+    ap.add_argument("--thread-sample-s", type=float, default=0.0,
+                    help="before profiling, sample every thread's CPU use on the machine for this long")
     args = ap.parse_args(argv)
+    e2e_gpu.exit_on_sigterm()
     totals: dict = {}
     rc = 0
     for config in args.configs.split(","):
@@ -194,7 +247,9 @@ def profile_one(args, config: str, totals: dict) -> int:
     out.mkdir(parents=True, exist_ok=True)
     tag = f"{config}_{args.reqs}x{args.prompt}"
     prof_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"prof_{tag}"  # traces are large
-    prof_dir.mkdir(parents=True, exist_ok=True)
+    # A fresh folder: the summary reads the first trace found there.
+    shutil.rmtree(prof_dir, ignore_errors=True)
+    prof_dir.mkdir(parents=True)
     os.environ["SGLANG_TORCH_PROFILER_DIR"] = str(prof_dir)
     log = out / f"server_prof_{tag}.log"
     srv = e2e_gpu.Server(args.model, args.port, config, args.extra.split(), log)
@@ -209,6 +264,10 @@ def profile_one(args, config: str, totals: dict) -> int:
         for t in threads:
             t.start()
         time.sleep(args.warm_s)
+        if args.thread_sample_s > 0:
+            threads_text = busiest_threads(args.thread_sample_s)
+            print(f"[{config}] {threads_text}", flush=True)
+            (out / f"threads_{tag}.txt").write_text(threads_text + "\n")
         post(srv.url + "/start_profile", {"num_steps": args.steps, "activities": ["CPU", "GPU"],
                                           "with_stack": not args.no_stack,
                                           "output_dir": str(prof_dir)})

@@ -91,3 +91,52 @@ def test_step_timer_plugin_times_and_stays_off_without_its_variable(monkeypatch,
     assert timer._stats["f"][1] == 2 and timer._stats["f"][0] >= 0
     meta = (SCRIPTS / "steptimer" / "hisparse_steptimer-0.1.dist-info" / "entry_points.txt").read_text()
     assert "[sglang.srt.plugins]" in meta and "hisparse_steptimer:register" in meta
+
+
+def test_busiest_threads_finds_a_spinning_thread():
+    # A thread spinning beside the scheduler slows it without showing in its
+    # profile; the sampler must name it and scale by the real interval.
+    import subprocess
+    import time as _time
+
+    prof = _load("profile_decode", SCRIPTS / "profile_decode.py")
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        _time.sleep(0.2)
+        text = prof.busiest_threads(0.5)
+    finally:
+        spin.kill()
+        spin.wait()
+    row = next(line for line in text.splitlines() if f"pid {spin.pid:>7}" in line)
+    assert float(row.split("%")[0]) > 40.0  # a whole core, less what a 2-core CI box shares
+    assert float(row.split("%")[0]) < 130.0
+
+
+def test_core_probe_and_sigterm_cleanup(tmp_path):
+    import subprocess
+
+    e2e = _load("e2e_gpu", SCRIPTS / "e2e_gpu.py")
+    speeds = e2e.cpu_core_speeds(loops=20_000)
+    assert speeds and all(t > 0 for t in speeds.values())
+    assert "slowest / fastest = " in e2e.describe_core_speeds(speeds)
+    assert e2e.describe_core_speeds({0: 0.2, 1: 0.38}).endswith("0:200 1:380; slowest / fastest = 1.90")
+
+    # SIGTERM (what `timeout` sends) must run the finally blocks that stop
+    # the servers; a server left behind spoils every later launch.
+    marker = tmp_path / "stopped"
+    script = tmp_path / "victim.py"
+    script.write_text(
+        "import sys, time\n"
+        f"sys.path.insert(0, {str(SCRIPTS)!r})\n"
+        "import e2e_gpu\n"
+        "e2e_gpu.exit_on_sigterm()\n"
+        "try:\n"
+        "    print('ready', flush=True)\n"
+        "    time.sleep(60)\n"
+        "finally:\n"
+        f"    open({str(marker)!r}, 'w').write('yes')\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    proc.terminate()
+    assert proc.wait(timeout=30) == 143
+    assert marker.read_text() == "yes"
