@@ -37,7 +37,9 @@ VM one core ran the same loop up to 1.9x slower than another, and a launch
 can sit on a slow core for its whole life or move mid-request (seen as
 bimodal decode log rates). Compare configurations over several launches
 (``--repeats 3`` or more); ``--cpu-probe`` times a loop on every core first
-and prints the spread, so a report can say how noisy the machine was.
+and prints the spread, so a report can say how noisy the machine was, and
+``--cpus fastest:4`` runs every server on the four cores it timed fastest
+(the host may still slow a core down later).
 
 Exactness: greedy outputs with top-2 logprobs; a step counts when both
 servers produced the same prefix so far and the baseline's top-1/top-2
@@ -147,6 +149,29 @@ def describe_core_speeds(speeds: dict[int, float]) -> str:
             f"{slow / fast:.2f}")
 
 
+def choose_cpus(spec: str, speeds: dict[int, float]) -> set[int]:
+    """``--cpus``: a comma list of cores, or ``fastest:N`` (the N cores the
+    probe timed fastest)."""
+    if spec.startswith("fastest:"):
+        n = int(spec.split(":", 1)[1])
+        if not 1 <= n <= len(speeds):
+            raise ValueError(f"--cpus fastest:N needs N in [1, {len(speeds)}], got {n}")
+        return set(sorted(speeds, key=speeds.get)[:n])
+    cpus = {int(c) for c in spec.split(",") if c.strip()}
+    allowed = os.sched_getaffinity(0)
+    if not cpus or not cpus <= allowed:
+        raise ValueError(f"--cpus must name cores among {sorted(allowed)}, got {spec!r}")
+    return cpus
+
+
+def pin_to(cpus):
+    """A ``preexec_fn`` that confines the server (and every process it
+    starts) to ``cpus``; None leaves it where the OS puts it."""
+    if not cpus:
+        return None
+    return lambda: os.sched_setaffinity(0, cpus)
+
+
 def exit_on_sigterm() -> None:
     """Turn SIGTERM (e.g. from ``timeout``) into SystemExit, so that the
     ``finally`` blocks stop the servers: a server left running keeps its
@@ -158,13 +183,13 @@ def exit_on_sigterm() -> None:
 
 
 class Server:
-    def __init__(self, model, port, config, extra, log_path, step_timer_out=None):
+    def __init__(self, model, port, config, extra, log_path, step_timer_out=None, cpus=None):
         cmd, env = server_cmd(model, port, config, extra, step_timer_out)
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=pin_to(cpus))
 
     def wait_ready(self, timeout=420):
         t0 = time.time()
@@ -349,6 +374,8 @@ def main() -> int:
                          "(scripts/steptimer) and print them per workload and config")
     ap.add_argument("--cpu-probe", action="store_true",
                     help="first time a Python loop on every core and print the spread (see Noise above)")
+    ap.add_argument("--cpus", default="",
+                    help="run every server on these cores: '0,2,8,9' or 'fastest:N' (implies --cpu-probe)")
     ap.add_argument("--baseline-json", default=None,
                     help="take the base runs from an earlier e2e JSON instead of launching base")
     args = ap.parse_args()
@@ -356,9 +383,13 @@ def main() -> int:
         return merge(args)
     exit_on_sigterm()
     env: dict = {}
-    if args.cpu_probe:
+    if args.cpu_probe or args.cpus.startswith("fastest:"):
         env["cpu_core_s"] = cpu_core_speeds()
         print(describe_core_speeds(env["cpu_core_s"]), flush=True)
+    cpus = choose_cpus(args.cpus, env.get("cpu_core_s", {})) if args.cpus else None
+    if cpus:
+        env["cpus"] = sorted(cpus)
+        print(f"servers run on cores {sorted(cpus)}", flush=True)
     configs = args.configs.split(",")
     workloads = args.workloads.split(",")
     results: dict = {c: {w: [] for w in workloads} for c in configs}
@@ -372,7 +403,7 @@ def main() -> int:
                 log = Path(args.logs) / f"server_{cfg}_{ws[0]}_{rep}.log"
                 timer_out = (Path(args.logs) / f"steptimer_{cfg}_{ws[0]}_{rep}"
                              if args.step_timer else None)
-                srv = Server(args.model, args.port, cfg, list(flags), log, timer_out)
+                srv = Server(args.model, args.port, cfg, list(flags), log, timer_out, cpus)
                 try:
                     ready = srv.wait_ready()
                     print(f"[{cfg} rep{rep}] ready in {ready:.0f}s", flush=True)

@@ -121,6 +121,20 @@ def test_core_probe_and_sigterm_cleanup(tmp_path):
     assert "slowest / fastest = " in e2e.describe_core_speeds(speeds)
     assert e2e.describe_core_speeds({0: 0.2, 1: 0.38}).endswith("0:200 1:380; slowest / fastest = 1.90")
 
+    fastest = e2e.choose_cpus("fastest:1", {0: 0.3, 1: 0.2})
+    assert fastest == {1}
+    assert e2e.choose_cpus("0", speeds) == {0}
+    for bad in ("fastest:0", "fastest:3", "", "9999"):
+        try:
+            e2e.choose_cpus(bad, {0: 0.3, 1: 0.2})
+        except ValueError as exc:
+            assert "--cpus" in str(exc)
+        else:
+            raise AssertionError(f"--cpus {bad!r} was accepted")
+    pinned = subprocess.run([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+                            capture_output=True, text=True, preexec_fn=e2e.pin_to({0}), check=True)
+    assert pinned.stdout.strip() == "[0]"
+
     # SIGTERM (what `timeout` sends) must run the finally blocks that stop
     # the servers; a server left behind spoils every later launch.
     marker = tmp_path / "stopped"
