@@ -67,19 +67,22 @@ def thread_cpu_times() -> dict:
     """{(pid, tid): (process name, thread name, cpu, ticks)} for every thread
     on the machine, from /proc (utime + stime, in clock ticks)."""
     out = {}
-    for stat in glob.glob("/proc/[0-9]*/task/[0-9]*/stat"):
+    for proc in glob.glob("/proc/[0-9]*"):
+        pid = int(proc.rsplit("/", 1)[1])
         try:
-            text = Path(stat).read_text()
-            proc = Path(stat).parents[2] / "comm"
-            pname = proc.read_text().strip()
+            pname = Path(proc, "comm").read_text().strip()  # once per process, not per thread
         except OSError:
             continue
-        # The thread name is in parentheses and may itself contain spaces.
-        name = text[text.index("(") + 1:text.rindex(")")]
-        fields = text[text.rindex(")") + 2:].split()
-        ticks = int(fields[11]) + int(fields[12])  # utime, stime
-        parts = stat.split("/")
-        out[(int(parts[2]), int(parts[4]))] = (pname, name, int(fields[36]), ticks)
+        for stat in glob.glob(f"{proc}/task/[0-9]*/stat"):
+            try:
+                text = Path(stat).read_text()
+            except OSError:
+                continue
+            # The thread name is in parentheses and may itself contain spaces.
+            name = text[text.index("(") + 1:text.rindex(")")]
+            fields = text[text.rindex(")") + 2:].split()
+            ticks = int(fields[11]) + int(fields[12])  # utime, stime
+            out[(pid, int(stat.split("/")[4]))] = (pname, name, int(fields[36]), ticks)
     return out
 
 
