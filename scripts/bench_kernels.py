@@ -18,11 +18,14 @@ ours / bound (target <= 1.18) and ours / best upstream (target <= 1).
 With --breakdown it then shows where our call's time goes at batch 1 and
 64, 0% and 100% miss: the kernel's own phase stamps, one block per request,
 other block sizes, and the two paths that resolve nothing (resident
-requests, sequences shorter than the buffer).
+requests, sequences shorter than the buffer). With --hash-scale 2,4,8 it
+first times the resolve's hash table sizes against each other (buckets per
+top-k entry), checking that each leaves the same state as the first.
 
 Usage:
   python scripts/bench_kernels.py [--quick] [--json OUT] [--breakdown]
                                   [--upstream-0523 DIR] [--blocks-per-req N]
+                                  [--hash-scale S,S,.. [--hash-scale-only]]
 """
 
 from __future__ import annotations
@@ -200,6 +203,16 @@ def h2d_ceiling_gbps(nbytes: int = 512 << 20, reps: int = 7) -> float:
 # kernels under test
 
 
+def batch_inputs(bs: int):
+    """Request slots 0..bs-1 at seq_len SEQ, the real-row count, two outputs."""
+    def out():
+        return torch.empty((bs, TOP_K), dtype=torch.int32, device="cuda")
+
+    return (torch.arange(bs, dtype=torch.int64, device="cuda"),
+            torch.full((bs,), SEQ, dtype=torch.int64, device="cuda"),
+            torch.tensor([bs], dtype=torch.int32, device="cuda"), out(), out())
+
+
 def ours(world: World, bs: int, top_k: torch.Tensor, out, num_real, seq_lens, reqs, *,
          skip_io=False, blocks_per_req=None, block_size=None, probe=None, **residency):
     from sglang_hisparse.kernels import swap_in
@@ -262,6 +275,42 @@ def breakdown(world: World, timer: Timer, batches, misses) -> list[dict]:
                 + "  ".join(f"{k} {v:.2f}" for k, v in phases.items()))
             log("      graph-timed us: " + "  ".join(
                 f"{k} {v:.1f}" for k, v in row.items() if k not in ("batch", "miss", "phases_us")))
+    return rows
+
+
+def compare_hash_scales(world: World, timer: Timer, variants, batches, misses) -> list[dict]:
+    """Hash scales side by side (--hash-scale): per point, each scale's
+    graph-timed call (interleaved, so drift hits all alike), whether it
+    leaves exactly the first scale's state, and its block (0, 0) phase stamps."""
+    from sglang_hisparse.kernels import new_probe, probe_phases_us
+
+    rows = []
+    for bs in batches:
+        reqs, seq_lens, num_real, out_a, out_b = batch_inputs(bs)
+        for miss in misses:
+            top_k = world.top_k(bs, miss)
+            row = dict(batch=bs, miss=miss)
+            for r in variants:
+                fn = ours(world, bs, top_k, out_a, num_real, seq_lens, reqs, hash_scale=r)
+                row[f"x{r}_us"], _ = timer.median_us(fn, world.restore)
+                if r != variants[0]:
+                    ref = ours(world, bs, top_k, out_b, num_real, seq_lens, reqs, hash_scale=variants[0])
+                    row[f"x{r}_check"] = same_state(world, fn, ref, out_a, out_b)
+                stamps = []
+                for _ in range(7):
+                    world.restore()
+                    timer.flush_buf.zero_()
+                    probe = new_probe("cuda")
+                    ours(world, bs, top_k, out_a, num_real, seq_lens, reqs, hash_scale=r, probe=probe)()
+                    torch.cuda.synchronize()
+                    stamps.append(probe_phases_us(probe))
+                row[f"x{r}_phases"] = {k: statistics.median(d[k] for d in stamps) for k in stamps[0]}
+            rows.append(row)
+            log(f"  bs {bs:>2} miss {miss * 100:>3.0f}%  " + "  ".join(
+                f"x{r} {row[f'x{r}_us']:.1f}" + (f" [{row[f'x{r}_check']}]" if f"x{r}_check" in row else "")
+                for r in variants))
+            for r in variants:
+                log(f"      x{r} phases: " + " ".join(f"{k} {v:.2f}" for k, v in row[f"x{r}_phases"].items()))
     return rows
 
 
@@ -359,7 +408,7 @@ def prebuild(breakdown: bool) -> None:
             f.result()
 
 
-def check_against_0513(world: World, ours_fn, up_fn, out_a, out_b) -> str:
+def same_state(world: World, ours_fn, up_fn, out_a, out_b) -> str:
     """Same inputs, same rules: ours must leave exactly what 0.5.13 leaves."""
     world.restore()
     ours_fn()
@@ -381,6 +430,9 @@ def main(argv=None) -> int:
     ap.add_argument("--blocks-per-req", type=int, default=None, help="override our blocks per request")
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--no-check", action="store_true", help="skip the ours-vs-0.5.13 state comparison")
+    ap.add_argument("--hash-scale", metavar="S,S,..",
+                    help="compare the resolve's hash buckets per top-k entry side by side, e.g. 2,4,8")
+    ap.add_argument("--hash-scale-only", action="store_true", help="with --hash-scale: skip the main table")
     ap.add_argument("--breakdown", action="store_true",
                     help="also print where our call's time goes: phase stamps, split and "
                          "block-size variants, no-resolve floors")
@@ -402,6 +454,24 @@ def main(argv=None) -> int:
 
     world = World(max(batches))
     prebuild(args.breakdown)
+    scale_rows = []
+    if args.hash_scale:
+        variants = [int(x) for x in args.hash_scale.split(",")]
+        from concurrent.futures import ThreadPoolExecutor
+
+        from sglang_hisparse.kernels import compile_variants
+
+        with ThreadPoolExecutor(len(variants)) as pool:
+            for f in [pool.submit(compile_variants, TOP_K, HOT, ITEM, record_plan=(False,),
+                                  copy_planned=False, hash_scale=r) for r in variants]:
+                f.result()
+        log(f"hash scales {variants} (graph-timed us; [state vs x{variants[0]}]):")
+        scale_rows = compare_hash_scales(world, timer, variants, batches, misses)
+        if args.hash_scale_only:
+            if args.json:
+                Path(args.json).write_text(json.dumps(dict(
+                    device=dev.name, h2d_ceiling_gbps=ceiling, hash_scales=scale_rows), indent=2))
+            return 0
 
     mod_0523, why_0523 = None, "not requested (--upstream-0523 DIR)"
     if args.upstream_0523:
@@ -426,11 +496,7 @@ def main(argv=None) -> int:
               f"{'0.5.13':>8} {'0.5.23':>8} {'ours/bnd':>8} {'ours/up':>7} {'split':>5} check")
     log(header)
     for bs in batches:
-        reqs = torch.arange(bs, dtype=torch.int64, device="cuda")
-        seq_lens = torch.full((bs,), SEQ, dtype=torch.int64, device="cuda")
-        num_real = torch.tensor([bs], dtype=torch.int32, device="cuda")
-        out_a = torch.empty((bs, TOP_K), dtype=torch.int32, device="cuda")
-        out_b = torch.empty((bs, TOP_K), dtype=torch.int32, device="cuda")
+        reqs, seq_lens, num_real, out_a, out_b = batch_inputs(bs)
         split = args.blocks_per_req or default_blocks_per_req(
             torch.device("cuda"), bs, TOP_K, default_block_size(HOT))
         for miss in misses:
@@ -448,7 +514,7 @@ def main(argv=None) -> int:
                 up = upstream_0513(world, bs, top_k, out_b, num_real, seq_lens, reqs)
                 t_13, _ = timer.median_us(up, world.restore)
                 if not args.no_check:
-                    check = check_against_0513(world, fn, up, out_a, out_b)
+                    check = same_state(world, fn, up, out_a, out_b)
             if mod_0523 is not None:
                 try:
                     t_23, _ = timer.median_us(
@@ -483,6 +549,7 @@ def main(argv=None) -> int:
             device=dev.name, sms=dev.multi_processor_count, h2d_ceiling_gbps=ceiling,
             top_k=TOP_K, hot_buffer=HOT, page=PAGE, seq_len=SEQ, item_bytes=ITEM,
             iters=iters, sglang_0523=why_0523 or "ok", rows=rows, breakdown=phases,
+            hash_scales=scale_rows,
         ), indent=2))
         log(f"wrote {args.json}")
     return 0

@@ -382,6 +382,7 @@ def main() -> int:
     if args.merge:
         return merge(args)
     exit_on_sigterm()
+    Path(args.logs).mkdir(parents=True, exist_ok=True)
     env: dict = {}
     if args.cpu_probe or args.cpus.startswith("fastest:"):
         env["cpu_core_s"] = cpu_core_speeds()

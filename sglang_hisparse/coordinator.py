@@ -123,6 +123,31 @@ class _Streams:
         return contextlib.nullcontext()
 
 
+class RealRequestCount:
+    """The int32 [1] device scalar the swap-in kernel reads as the number of
+    real (not CUDA-graph padding) rows, behind SGLang's ``num_real_reqs.fill_(n)``.
+
+    SGLang 0.5.13 fills it twice per decode step (model runner, graph runner),
+    almost always with the value it already holds; each fill is a kernel
+    launch on the scheduler's critical path. Only this object writes the
+    tensor, so a fill that would not change it is skipped.
+    """
+
+    def __init__(self, device):
+        self.tensor = torch.zeros(1, dtype=torch.int32, device=device)
+        self._value = 0
+
+    def fill_(self, value) -> torch.Tensor:
+        value = int(value)
+        if value != self._value:
+            self.tensor.fill_(value)
+            self._value = value
+        return self.tensor
+
+    def item(self) -> int:
+        return self._value
+
+
 @dataclass
 class _Staging:
     event: object
@@ -245,7 +270,7 @@ class HiSparseCoordinator(ResidencyMixin, ParkingMixin):
         self._arange_i32 = torch.arange(P, **i32)
         self.top_k_device_locs_buffer = torch.full((max_reqs, top_k), -1, **i32)
         self.raw_indices_buffer = torch.full((max_reqs, top_k), -1, **i32)
-        self.num_real_reqs = torch.zeros(1, **i32)
+        self.num_real_reqs = RealRequestCount(device)
         # Residency: the kernel's per-slot flag, and rows held per resident.
         self.req_resident = torch.zeros(max_reqs, **i32)
         self._resident_rows: Dict[int, int] = {}
@@ -692,7 +717,7 @@ class HiSparseCoordinator(ResidencyMixin, ParkingMixin):
             device_kv=self._device_rows(layer_id),
             req_pool_indices=req_pool_indices,
             seq_lens=compressed_seq_lens,
-            num_real_reqs=self.num_real_reqs,
+            num_real_reqs=self.num_real_reqs.tensor,
             out=out,
             layout="c4" if self.is_dsv4_hisparse else "rows",
             tally=self._tally,

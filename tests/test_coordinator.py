@@ -343,3 +343,41 @@ def test_manifest_entries_check_out():
     for e in mine:
         c = check_entry(e, "0.5.13")
         assert c.ok, (e.target, c.detail)
+
+
+def test_real_request_count_writes_only_changes():
+    from sglang_hisparse.coordinator import RealRequestCount
+
+    count = RealRequestCount("cpu")
+    assert int(count.tensor[0]) == 0
+    count.tensor = _CountingTensor()  # records the fills that reach the device
+    for n in (3, 3, 3, 5, 5, 0, 0, 3):
+        count.fill_(n)
+        assert count.item() == n and count.tensor.value == n
+    assert count.tensor.writes == [3, 5, 0, 3]
+
+
+class _CountingTensor:
+    def __init__(self):
+        self.writes, self.value = [], 0
+
+    def fill_(self, v):
+        self.writes.append(v)
+        self.value = v
+        return self
+
+
+def test_pinned_sglang_only_fills_num_real_reqs():
+    # The coordinator's num_real_reqs is a RealRequestCount, not a tensor: the
+    # pinned sources may only call fill_ on it.
+    import re
+
+    from sglang_hisparse.pinned_source import installed_sglang_root
+
+    root = installed_sglang_root() / "sglang" / "srt"
+    uses = []
+    for path in root.rglob("*.py"):
+        if "hisparse" in path.name:
+            continue  # SGLang's own HiSparse, never called by ours
+        uses += re.findall(r"num_real_reqs\b(\.?\w*\(?)", path.read_text())
+    assert uses and set(uses) == {".fill_("}, uses

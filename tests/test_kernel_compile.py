@@ -29,9 +29,9 @@ def test_compile_production_variant():
     )
     assert names == [
         "swap_in(top_k=2048, hot_buffer_size=4096, item_bytes=1152, layout=rows, "
-        "record_plan=False, skip_io=False, block_size=1024)"
+        "record_plan=False, skip_io=False, block_size=1024, hash_scale=8)"
     ]
-    mod = swap_in_mod._swap_in_module(2048, 4096, 1152, 0, False, False, 1024)
+    mod = swap_in_mod._swap_in_module(2048, 4096, 1152, 0, False, False, 1024, 8)
     assert callable(getattr(mod, "swap_in"))
     print(f"production variant: {time.monotonic() - t0:.1f}s")
 
@@ -69,6 +69,19 @@ def test_default_block_size_is_a_full_block():
     # The resolve's latency falls with every thread (see default_block_size).
     for hot in (64, 4096, 16384, 30000):
         assert kernels.default_block_size(hot) == 1024
+
+
+def test_hash_scale_is_the_widest_that_fits():
+    assert swap_in_mod.default_hash_scale(2048, 4096) == 8
+    assert swap_in_mod.default_hash_scale(2048, 32767) == 8
+    assert swap_in_mod.default_hash_scale(4096, 4096) == 4
+    # 8192 entries: a 4x table alone would be 256 KiB, so the 2x one serves
+    assert swap_in_mod.default_hash_scale(8192, 8192) == 2
+    assert swap_in_mod.swap_in_smem_bytes(8192, 8192, 2) <= swap_in_mod.MAX_SMEM_BYTES
+    with pytest.raises(ValueError, match="hash_scale must be one of 1, 2, 4, 8, 16, got 3"):
+        kernels.compile_variants(top_k=64, hash_scale=3)
+    with pytest.raises(ValueError, match="hash_scale 4 with top_k 8192 .* shared memory"):
+        kernels.compile_variants(top_k=8192, hot_buffer_size=8192, hash_scale=4)
 
 
 def test_wrapper_rejects_cpu_tensors_by_name():

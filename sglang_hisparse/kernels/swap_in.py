@@ -61,8 +61,14 @@ def default_block_size(hot_buffer_size: int) -> int:
 MAX_SMEM_BYTES = 227 * 1024
 
 
-def swap_in_smem_bytes(top_k: int, hot_buffer_size: int) -> int:
-    hash_size = 1 << max(1, (2 * top_k - 1).bit_length())
+# Hash buckets per top-k entry (template kHashScale), widest first: the
+# default is the first whose table fits a block's shared memory.
+HASH_SCALES = (8, 4, 2)
+MIN_HASH_SCALE = HASH_SCALES[-1]
+
+
+def swap_in_smem_bytes(top_k: int, hot_buffer_size: int, hash_scale: int = MIN_HASH_SCALE) -> int:
+    hash_size = 1 << max(1, (hash_scale * top_k - 1).bit_length())
     chunks = lambda n: -(-n // 32)  # noqa: E731
     return (
         8 * hash_size  # keys + values
@@ -70,6 +76,17 @@ def swap_in_smem_bytes(top_k: int, hot_buffer_size: int) -> int:
         + 4 * (chunks(hot_buffer_size) + chunks(top_k) + 4)
         + 2 * hot_buffer_size  # slot owners, later the regrouped LRU
     )
+
+
+def default_hash_scale(top_k: int, hot_buffer_size: int) -> int:
+    """Buckets per top-k entry for the resolve's hash table: the widest of
+    HASH_SCALES that fits shared memory. Fewer buckets mean longer probes;
+    on an H200 (top_k 2048, buffer 4096) a 0%-miss call took 12.3 / 9.1 /
+    8.7 us at batch 1 and 16.1 / 10.6 / 9.8 us at batch 64 with 2 / 4 / 8."""
+    for scale in HASH_SCALES:
+        if swap_in_smem_bytes(top_k, hot_buffer_size, scale) <= MAX_SMEM_BYTES:
+            return scale
+    return MIN_HASH_SCALE
 
 
 def size_problem(
@@ -112,6 +129,19 @@ def size_problem(
                     f"{MAX_POSITIONS_PER_THREAD} slots per thread, so {block_name} "
                     f"must be >= {least}")
     return None
+
+
+def _check_hash_scale(top_k: int, hot_buffer_size: int, hash_scale: Optional[int]) -> int:
+    if hash_scale is None:
+        return default_hash_scale(top_k, hot_buffer_size)
+    if hash_scale not in (1, 2, 4, 8, 16):
+        raise ValueError(f"hash_scale must be one of 1, 2, 4, 8, 16, got {hash_scale}")
+    smem = swap_in_smem_bytes(top_k, hot_buffer_size, hash_scale)
+    if smem > MAX_SMEM_BYTES:
+        raise ValueError(f"hash_scale {hash_scale} with top_k {top_k} and hot_buffer_size "
+                         f"{hot_buffer_size} needs {smem} B of shared memory; the limit is "
+                         f"{MAX_SMEM_BYTES}")
+    return hash_scale
 
 
 def _check_sizes(top_k: int, hot_buffer_size: int, item_bytes: int, layout: str,
@@ -174,10 +204,12 @@ def _swap_in_module(
     record_plan: bool,
     skip_io: bool,
     block_size: int,
+    hash_scale: int,
 ):
     load_jit, make_cpp_args = _load_jit()
     args = make_cpp_args(
-        top_k, hot_buffer_size, item_bytes, layout_id, record_plan, skip_io, block_size
+        top_k, hot_buffer_size, item_bytes, layout_id, record_plan, skip_io, block_size,
+        hash_scale,
     )
     return load_jit(
         "hisparse_plugin_swap_in",
@@ -234,6 +266,7 @@ def compile_variants(
     copy_planned: bool = True,
     device_buffer_size: Optional[int] = None,
     swap_in_block_size: Optional[int] = None,
+    hash_scale: Optional[int] = None,
     **_ignored,
 ) -> list[str]:
     """Build (or find in the JIT cache) every kernel variant a config needs.
@@ -248,12 +281,14 @@ def compile_variants(
     hot_buffer_size = hot_buffer_size or device_buffer_size or 2 * top_k
     block_size = block_size or swap_in_block_size or default_block_size(hot_buffer_size)
     layout_id = _check_sizes(top_k, hot_buffer_size, item_bytes, layout, block_size)
+    hash_scale = _check_hash_scale(top_k, hot_buffer_size, hash_scale)
     built = []
     with _arch_context():
         for rec in dict.fromkeys(bool(x) for x in record_plan):
             for skip in dict.fromkeys(bool(x) for x in skip_io):
                 _swap_in_module(
-                    top_k, hot_buffer_size, item_bytes, layout_id, rec, skip, block_size
+                    top_k, hot_buffer_size, item_bytes, layout_id, rec, skip, block_size,
+                    hash_scale,
                 )
                 built.append(
                     _variant_name(
@@ -265,6 +300,7 @@ def compile_variants(
                         record_plan=rec,
                         skip_io=skip,
                         block_size=block_size,
+                        hash_scale=hash_scale,
                     )
                 )
         if copy_planned:
@@ -496,6 +532,7 @@ def swap_in(
     token_to_row: Optional[torch.Tensor] = None,
     tally: Optional[torch.Tensor] = None,
     probe: Optional[torch.Tensor] = None,
+    hash_scale: Optional[int] = None,
 ) -> torch.Tensor:
     """Resolve one layer's top-k against the hot buffers; load misses; fill ``out``.
 
@@ -509,7 +546,9 @@ def swap_in(
     (together) translate resident requests' positions instead (reference
     rule 8). ``tally`` (int64 [2]) accumulates valid entries and misses
     (rule 10) with one atomic add each per request, in place of counting
-    ops after every launch. ``probe`` (int64 [PROBE_SLOTS], a benchmark
+    ops after every launch. ``hash_scale`` overrides the resolve's hash
+    buckets per top-k entry (a tuning knob; default
+    :func:`default_hash_scale`). ``probe`` (int64 [PROBE_SLOTS], a benchmark
     aid) receives %globaltimer stamps of the kernel's phases; see
     :data:`PROBE_PHASES`.
     Returns ``out``.
@@ -549,6 +588,7 @@ def swap_in(
     item_bytes = _check_kv(layout, host_kv, device_kv, device)
     threads = block_size if block_size is not None else default_block_size(hot)
     _check_sizes(top_k, hot, item_bytes, layout, threads)
+    scale = _check_hash_scale(top_k, hot, hash_scale)
     record = _check_plan(miss_src, miss_dst, miss_count, bs, top_k, device)
     residency = _check_residency(resident, req_to_token, token_to_row, max_reqs, device)
     if tally is not None:
@@ -577,7 +617,7 @@ def swap_in(
         return out
 
     empty = top_k_tokens.new_empty(0)
-    module = _swap_in_module(top_k, hot, item_bytes, layout_id, record, bool(skip_io), threads)
+    module = _swap_in_module(top_k, hot, item_bytes, layout_id, record, bool(skip_io), threads, scale)
     module.swap_in(
         top_k_tokens,
         req_pool_indices,
