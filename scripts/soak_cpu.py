@@ -13,6 +13,12 @@ With parking on (the default) the coordinator sees the simulated queue
 through a prefill-demand provider, so staged requests also wait on host
 (parked) and join later with a fresh hot buffer.
 
+``--mode pd`` plays a PD decode node instead: each arrival's prompt KV is
+written straight into host rows (as the transfer engine does after
+``_pre_alloc``) and admitted with ``admit_request_direct``; retraction keeps
+the KV on host (``get_cpu_copy``) and the request resumes from it later
+(``load_cpu_copy``), or is aborted while retracted.
+
 Every prefill/decode token gets a KV row whose bytes name (request, token,
 layer); every swap-in output row is checked against those bytes, and the
 swap-in's hot-slot/LRU update is checked step by step against an independent
@@ -78,7 +84,8 @@ class LruModel:
 class Sim:
     def __init__(self, seed: int, page_size: int = 64, phys_pages: int = 30, ratio: int = 3,
                  hot: int = 128, top_k: int = 16, layers: int = 2, max_reqs: int = 12,
-                 max_ctx: int = 1400, residency: bool = True, parking: bool = True):
+                 max_ctx: int = 1400, residency: bool = True, parking: bool = True,
+                 pd: bool = False):
         from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool
 
         from sglang_hisparse.allocator import HiSparseDualAllocator
@@ -107,20 +114,23 @@ class Sim:
                                    page_size=page_size)
         self.coord = HiSparseCoordinator(self.r2t, self.alloc, top_k, hot, "cpu", None, ratio,
                                          host_pool=host, swap_in_fn=self.ref,
-                                         residency=residency)
+                                         residency=residency, pd_decode=pd)
+        self.pd = pd
         self.coord.set_cpu_staging_delay(lambda: self.rng.choice([0, 0, 1, 3]))
         self.max_reqs = max_reqs
-        if parking:
+        if parking and not pd:  # a PD decode node prefills nothing
             self.coord.set_prefill_demand(self.prefill_demand)
         self.host = self.coord.mem_pool_host
         self.start = self.snapshot()
         self.uid = 0
         self.waiting, self.prefilling, self.staging, self.running = [], [], [], []
+        self.retracted = []  # PD: requests whose KV waits on host (Req.kv_cache_cpu)
         self.models = {}  # req -> [LruModel per layer]
         self.stats = dict(prefill=0, finish_prefill=0, staged=0, decode_steps=0, finish=0,
                           abort_waiting=0, abort_staging=0, abort_running=0, abort_prefill=0,
                           retract=0, retract_oom=0, swap_checks=0, host_wait_max=0,
-                          resident_checks=0, parked=0)
+                          resident_checks=0, parked=0, transferred=0, resumed=0,
+                          abort_retracted=0)
         self.was_resident = set()  # requests seen resident (reset their model on demotion)
 
     # ---------------------------------------------------------- bookkeeping
@@ -350,6 +360,8 @@ class Sim:
         self.stats["finish"] += 1
 
     def retract(self, req):
+        if self.pd:
+            return self.pd_retract(req)
         self.running.remove(req)
         self.coord.retract_req(req)
         self.release_slots(req)
@@ -360,7 +372,8 @@ class Sim:
         self.stats["retract"] += 1
 
     def abort_random(self):
-        states = [s for s in ("waiting", "prefilling", "staging", "running") if getattr(self, s)]
+        states = [s for s in ("waiting", "prefilling", "staging", "running", "retracted")
+                  if getattr(self, s)]
         if not states:
             return
         # staging lasts a few polls only: pick it whenever it is possible
@@ -370,6 +383,11 @@ class Sim:
         q.remove(req)
         if state == "waiting":
             self.stats["abort_waiting"] += 1
+            return
+        if state == "retracted":  # what the abort hook does before 0.5.13 drops the snapshot
+            self.coord.release_retained(req.kv_cache_cpu)
+            del req.kv_cache_cpu
+            self.stats["abort_retracted"] += 1
             return
         if state == "staging":
             self.coord.abort_staging_request(req)
@@ -382,15 +400,83 @@ class Sim:
             self.stats["abort_prefill"] += 1
         self.release_slots(req)
 
+    # ------------------------------------------------------ PD decode node
+    def pre_alloc(self, req) -> bool:
+        """``DecodePreallocQueue._pre_alloc``'s HiSparse branch, behind its
+        budget check: a request slot, logical slots, host rows."""
+        n = len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
+        if not self.r2t.available_size() or self.alloc.available_size() < self.page_up(n) + self.ps:
+            return False
+        (idx,) = self.r2t.alloc([req])
+        req.req_pool_idx = idx
+        t = lambda v: torch.tensor([v], dtype=torch.int64)
+        logical = self.alloc.alloc_logical_only(t(0), t(0), t(n), t(n), t(-1), n)
+        if logical is None:
+            raise Mismatch("alloc_logical_only failed after the budget said yes")
+        self.r2t.req_to_token[idx, :n] = logical.to(torch.int32)
+        req.kv_allocated_len = req.fill_len = n
+        self.host.alloc_paged_token_slots(self.coord.req_to_host_pool,
+                                          self.coord.req_to_host_pool_allocated_len, idx, 0,
+                                          self.coord.host_token_len(n))
+        return True
+
+    def join(self, req):
+        """Decoding from host: a short request is loaded whole, a long one starts empty."""
+        self.running.append(req)
+        models = [LruModel(self.hot) for _ in range(self.layers)]
+        for m in models:
+            m.reset_resident(req.sim_len if req.sim_len <= self.hot else 0)
+        self.models[req] = models
+
+    def try_transfer(self):
+        if not self.waiting or not self.pre_alloc(self.waiting[0]):
+            return
+        req = self.waiting.pop(0)
+        rows = self.coord.req_to_host_pool[req.req_pool_idx, :req.sim_target]
+        for layer in range(self.layers):  # the prefill node's KV lands on host
+            buf = self.host.kv_buffer[layer]
+            for p, row in enumerate(rows.tolist()):
+                buf[row, 0, :4] = torch.tensor(_kv_tag(req.sim_uid, p, layer), dtype=buf.dtype)
+        req.sim_len = req.sim_target
+        self.coord.admit_request_direct(req)
+        self.join(req)
+        self.stats["transferred"] += 1
+
+    def pd_retract(self, req):
+        """0.5.13 ``release_req`` on a decode node: retract_req, then the
+        snapshot of seqlen - 1 tokens (every token whose KV exists here)."""
+        self.running.remove(req)
+        req.output_ids = [1] * (req.sim_len + 1 - len(req.origin_input_ids))
+        self.coord.retract_req(req)
+        logical = self.r2t.req_to_token[req.req_pool_idx, :req.sim_len]
+        req.kv_cache_cpu = self.alloc.get_cpu_copy(logical)
+        self.release_slots(req)
+        self.retracted.append(req)
+        self.stats["retract"] += 1
+
+    def try_resume(self):
+        if not self.retracted or not self.pre_alloc(self.retracted[0]):
+            return
+        req = self.retracted.pop(0)
+        self.alloc.load_cpu_copy(req.kv_cache_cpu,
+                                 self.r2t.req_to_token[req.req_pool_idx, :req.sim_len])
+        del req.kv_cache_cpu
+        self.join(req)
+        self.stats["resumed"] += 1
+
     # ---------------------------------------------------------------- run
     def step(self):
         rng = self.rng
         if rng.random() < 0.35 and len(self.waiting) < 8:
             self.new_req()
-        self.try_prefill()
-        for req in list(self.prefilling):
-            self.prefill_chunk(req)
-        self.collect()
+        if self.pd:
+            self.try_resume()
+            self.try_transfer()
+        else:
+            self.try_prefill()
+            for req in list(self.prefilling):
+                self.prefill_chunk(req)
+            self.collect()
         self.decode()
         if rng.random() < 0.04:
             self.abort_random()
@@ -408,7 +494,10 @@ class Sim:
             else:
                 self.prefilling.remove(req)
             self.release_slots(req)
+        for req in self.retracted:
+            self.coord.release_retained(req.kv_cache_cpu)
         self.waiting.clear()
+        self.retracted.clear()
         self.coord.destroy()
 
     def leak_report(self):
@@ -431,9 +520,12 @@ def main(argv=None) -> int:
                     help="resident requests until rows run short (the default) or stage all")
     ap.add_argument("--parking", choices=("on", "off"), default="on",
                     help="staged requests may wait on host while prompts need the rows")
+    ap.add_argument("--mode", choices=("colocated", "pd"), default="colocated",
+                    help="pd: a PD decode node (prompt KV arrives on host; retraction keeps it)")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args(argv)
-    sim = Sim(args.seed, residency=args.residency == "on", parking=args.parking == "on")
+    sim = Sim(args.seed, residency=args.residency == "on", parking=args.parking == "on",
+              pd=args.mode == "pd")
     error = None
     try:
         for _ in range(args.steps):
@@ -445,8 +537,8 @@ def main(argv=None) -> int:
     if args.verbose:
         print(f"swap-in: {sim.ref_name}; stats {sim.stats}; {sim.coord.get_hisparse_stats()}")
     verdict = "OK" if ok and error is None else "FAIL"
-    print(f"soak seed={args.seed} steps={args.steps} residency={args.residency} "
-          f"parking={args.parking} {verdict}: "
+    print(f"soak seed={args.seed} steps={args.steps} mode={args.mode} "
+          f"residency={args.residency} parking={args.parking} {verdict}: "
           + ", ".join(parts)
           + (f"; {error}" if error else ""))
     return 0 if verdict == "OK" else 1

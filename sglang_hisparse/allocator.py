@@ -41,9 +41,11 @@ later (upstream sglang#23704: host pool exhausted after admission).
   ``hisparse_attn_allocator.available_size``,
   ``logical_attn_allocator.available_size``, ``alloc_logical_only``;
 * ``ModelRunner.max_token_pool_size`` (our PROPERTY hook) -> ``size_full``;
+* ``schedule_batch.py:1388,1397`` (``Req.offload_kv_cache``/``load_kv_cache``,
+  PD decode retraction) -> ``get_cpu_copy``, ``load_cpu_copy``;
 * our coordinator -> ``alloc_device_buffer``, ``free_hisparse_indices``,
   ``free_hisparse``, ``translate_to_physical``, ``hisparse_attn_allocator.alloc``,
-  ``set_reservation_provider``, ``attach_host_pool``.
+  ``set_reservation_provider``, ``attach_host_pool``, ``set_retraction``.
 """
 
 from __future__ import annotations
@@ -84,6 +86,10 @@ class _ReservingPagedAllocator(PagedTokenToKVPoolAllocator):
         return max(0, self.raw_available_size() - int(self._held_back()))
 
 
+_NO_SNAPSHOTS = ("HiSparse: KV snapshots for retraction exist only on a PD decode node "
+                 "(--disaggregation-mode decode) with DSA models")
+
+
 class HiSparseDualAllocator(BaseTokenToKVPoolAllocator):
     """Drop-in replacement for 0.5.13 ``HiSparseTokenToKVPoolAllocator``."""
 
@@ -111,6 +117,7 @@ class HiSparseDualAllocator(BaseTokenToKVPoolAllocator):
 
         # Reservation state (tokens). Filled by the coordinator.
         self._reservation_provider: Optional[Callable[[], Tuple[int, int]]] = None
+        self._retraction: Optional[tuple] = None  # (take, restore), PD decode
         self._host_pool = None
         # Residency (coordinator): rows demotion would free, and the demoter.
         self._reclaimable: Callable[[], int] = lambda: 0
@@ -175,6 +182,23 @@ class HiSparseDualAllocator(BaseTokenToKVPoolAllocator):
     def set_reservation_provider(self, provider: Callable[[], Tuple[int, int]]):
         """``provider() -> (physical_tokens, host_tokens)`` still owed to live requests."""
         self._reservation_provider = provider
+
+    def set_retraction(self, take: Callable[[int], object],
+                       restore: Callable[[object, torch.Tensor], None]) -> None:
+        """PD decode retraction (see ``disaggregation.py``): ``take(n)`` returns the
+        host KV the coordinator kept for the request just retracted;
+        ``restore(kept, indices)`` gives it back to the resumed request."""
+        self._retraction = (take, restore)
+
+    def get_cpu_copy(self, indices, mamba_indices=None):
+        if self._retraction is None:
+            raise NotImplementedError(_NO_SNAPSHOTS)
+        return self._retraction[0](len(indices))
+
+    def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None):
+        if self._retraction is None:
+            raise NotImplementedError(_NO_SNAPSHOTS)
+        self._retraction[1](kv_cache_cpu, indices)
 
     def set_residency(self, reclaimable: Callable[[], int], reclaim: Callable[[int], int]) -> None:
         """Resident requests hold rows that demotion gives back: admission may

@@ -27,7 +27,9 @@ Lifecycle of a request (colocated):
    dispatches to :func:`sglang_hisparse.kernels.swap_in_selected`;
 6. finish / abort (waiting, staging, running) / retract release everything.
 
-PD decode admits through ``admit_request_direct`` (KV already on host).
+PD decode admits through ``admit_request_direct`` (KV already on host); a
+request retracted there keeps its KV on host until it resumes
+(``disaggregation.py``).
 
 Drop-in for 0.5.13 ``HiSparseCoordinator`` (class REPLACE). Its call sites
 in 0.5.13:
@@ -61,6 +63,7 @@ import torch
 
 from sglang_hisparse import metrics
 from sglang_hisparse.config import PARKING_ENV, RESIDENCY_ENV, SKIP_IO_ENV
+from sglang_hisparse.disaggregation import RetractToHostMixin, pd_decode_from_server_args
 from sglang_hisparse.host_pool import HiSparseC4HostPool, HiSparseMLAHostPool
 from sglang_hisparse.parking import ParkingMixin
 from sglang_hisparse.residency import ResidencyMixin
@@ -174,7 +177,7 @@ def _configured_swap_in_block_size() -> Optional[int]:
         return None
 
 
-class HiSparseCoordinator(ResidencyMixin, ParkingMixin):
+class HiSparseCoordinator(ResidencyMixin, ParkingMixin, RetractToHostMixin):
     """Replacement for 0.5.13 ``HiSparseCoordinator`` (same constructor)."""
 
     def __init__(
@@ -191,6 +194,7 @@ class HiSparseCoordinator(ResidencyMixin, ParkingMixin):
         swap_in_fn: Optional[Callable] = None,
         swap_in_block_size: Optional[int] = None,
         residency: Optional[bool] = None,
+        pd_decode: Optional[bool] = None,
     ):
         if device_buffer_size < top_k:
             raise ValueError(
@@ -214,6 +218,9 @@ class HiSparseCoordinator(ResidencyMixin, ParkingMixin):
         if residency is None:
             residency = os.environ.get(RESIDENCY_ENV, "1") != "0"
         self.residency = bool(residency) and not self.is_dsv4_hisparse
+        # A PD decode node keeps a retracted request's KV on host (disaggregation.py).
+        self.pd_decode = pd_decode_from_server_args() if pd_decode is None else bool(pd_decode)
+        self._pending_retained = None
         if self.skip_io:
             logger.warning("%s=1: swap-in host copies are skipped; outputs are invalid "
                            "(for timing only)", SKIP_IO_ENV)
@@ -315,6 +322,8 @@ class HiSparseCoordinator(ResidencyMixin, ParkingMixin):
             alloc.attach_host_pool(self.mem_pool_host, self.padded_buffer_size)
             if self.residency:
                 alloc.set_residency(self.reclaimable_rows, self.reclaim_rows)
+            if self.pd_decode and not self.is_dsv4_hisparse:
+                alloc.set_retraction(self.take_retained, self.restore_retained)
 
     # ------------------------------------------------------------ helpers
     def _page_up(self, n: int) -> int:
@@ -782,6 +791,8 @@ class HiSparseCoordinator(ResidencyMixin, ParkingMixin):
     def retract_req(self, req) -> None:
         if getattr(req, "hisparse_staging", False):
             self.abort_staging_request(req)
+        elif self._retains_on_retract(req):
+            self._retract_to_host(req)
         else:
             self.request_finished(req)
 

@@ -166,8 +166,8 @@ class HiSparseDSADevicePool(DSATokenToKVPool):
     # A retracted request's KV lives mostly in the host pool; the device pool
     # only holds its hot buffer, so a row-wise device snapshot would be wrong.
     # The only 0.5.13 caller (retraction under --disaggregation-mode decode)
-    # goes through the allocator, whose inherited get_cpu_copy already
-    # raises; fail just as loudly if anyone reaches the pool directly.
+    # goes through the allocator, which keeps the request's host rows instead
+    # (disaggregation.py); fail loudly if anyone reaches the pool directly.
     def get_cpu_copy(self, indices, mamba_indices=None):
         raise NotImplementedError(
             "HiSparseDSADevicePool.get_cpu_copy: HiSparse keeps a request's KV in "

@@ -28,6 +28,9 @@ def scheduler_abort_request(original, self, recv_req):
     * PD decode: a waiting-queue request already holds a hot buffer and host
       rows (``admit_request_direct``); the original only releases its logical
       KV. Release the HiSparse side first (0.5.23 S:5708-5709).
+    * PD decode: a retracted request keeps its host rows in ``kv_cache_cpu``
+      (``sglang_hisparse.disaggregation``), which the original just drops.
+      Free them first.
     * Colocated: a request in the staging queue is in no queue the original
       scans, so the abort is lost and it runs to completion. Mark it
       ``to_finish`` so it finishes (and is released) on its first decode step.
@@ -43,6 +46,9 @@ def scheduler_abort_request(original, self, recv_req):
             for req in self.waiting_queue:
                 if hit(req):
                     coord.request_finished(req)
+            for req in self.disagg_decode_prealloc_queue.retracted_queue:
+                if hit(req):
+                    coord.release_retained(getattr(req, "kv_cache_cpu", None))
         staged = coord.staged_requests()
         if staged:
             from sglang.srt.managers.schedule_batch import FINISH_ABORT

@@ -174,7 +174,8 @@ ENTRIES: tuple[Entry, ...] = (
             "Dual logical/physical allocator whose available_size() holds back the "
             "hot-buffer growth, newest-token page and host rows live requests still "
             "need (0.5.13 admits work the host pool cannot back: sglang#23704); "
-            "page_size 1 decode; exposes the logical capacity."
+            "page_size 1 decode; exposes the logical capacity; on a PD decode node "
+            "hands retraction snapshots over as host rows (0.5.13 raises: sglang#40729)."
         ),
         native_in=None,
         impl="sglang_hisparse.allocator:HiSparseDualAllocator",
@@ -210,7 +211,8 @@ ENTRIES: tuple[Entry, ...] = (
         why=(
             "Our coordinator: host-wait instead of a crash when the host pool is "
             "exhausted, idempotent release in every state, swap-in through "
-            "sglang_hisparse.kernels, hit/miss/byte counters, destroy()."
+            "sglang_hisparse.kernels, hit/miss/byte counters, destroy(); a request "
+            "retracted on a PD decode node keeps its KV on host and resumes from it."
         ),
         native_in=None,
         impl="sglang_hisparse.coordinator:HiSparseCoordinator",
@@ -238,7 +240,8 @@ ENTRIES: tuple[Entry, ...] = (
         sha256={"0.5.13": "973c6e8ac3b7e869a6f0aacba300954c4a6a34309b8ae76e1d84153afa872ec0"},
         why=(
             "0.5.13 leaks the hot buffer and host rows of an aborted PD-decode "
-            "waiting-queue request and loses aborts of requests still staging."
+            "waiting-queue request (and, with our retraction, the host rows a "
+            "retracted request keeps) and loses aborts of requests still staging."
         ),
         native_in=None,
         impl="sglang_hisparse.hooks:scheduler_abort_request",

@@ -304,7 +304,8 @@ def test_abort_hook_releases_pd_waiting_and_marks_staging():
     env.coord.set_cpu_staging_delay(lambda: 3)
     staged = env.staged("pd-2", 100)
     sched = SimpleNamespace(hisparse_coordinator=env.coord, enable_hisparse=True,
-                            disaggregation_mode=DisaggregationMode.DECODE, waiting_queue=[pd])
+                            disaggregation_mode=DisaggregationMode.DECODE, waiting_queue=[pd],
+                            disagg_decode_prealloc_queue=SimpleNamespace(retracted_queue=[]))
     calls = []
 
     def original(self, recv_req):  # stands for 0.5.13 abort_request: release_kv_cache

@@ -236,8 +236,11 @@ def test_cpu_copy_refused(setup):
         pool.get_cpu_copy(t64(1, 2))
     with pytest.raises(NotImplementedError, match="host pool"):
         pool.load_cpu_copy([], t64(1, 2), mamba_indices=None)
-    with pytest.raises(NotImplementedError):  # what retraction actually calls
+    # what retraction calls: served from the host pool on a PD decode node only
+    with pytest.raises(NotImplementedError, match="only on a PD decode node"):
         alloc.get_cpu_copy(t64(1, 2), mamba_indices=None)
+    with pytest.raises(NotImplementedError, match="only on a PD decode node"):
+        alloc.load_cpu_copy(None, t64(1, 2), mamba_indices=None)
 
 
 # ------------------------------------------------ with our coordinator (CPU)

@@ -1,7 +1,7 @@
 """The CPU soak (scripts/soak_cpu.py) for 1000 steps, with residency (the
-default) and without, parking on: no leak, no mismatch between the swap-in
-reference and the independent LRU model, every selected row holding its
-token."""
+default) and without, parking on, and as a PD decode node: no leak, no
+mismatch between the swap-in reference and the independent LRU model, every
+selected row holding its token."""
 
 import importlib.util
 from pathlib import Path
@@ -25,13 +25,27 @@ def test_soak_1000_steps(capsys, residency):
     out = capsys.readouterr().out.strip().splitlines()
     verdict = out[-1]
     assert rc == 0, "\n".join(out)
-    assert verdict.startswith(f"soak seed=7 steps=1000 residency={residency} parking=on OK")
+    assert verdict.startswith(
+        f"soak seed=7 steps=1000 mode=colocated residency={residency} parking=on OK")
     for name in ("logical", "physical", "host", "req_slots"):
         assert f"{name} free" in verdict
     stats = out[-2]
     assert "'parked': 0," not in stats  # some staged requests waited on host
     if residency == "on":  # both paths were exercised, demotion included
         assert "'resident_checks': 0," not in stats and "'demotions': 0" not in stats
+
+
+def test_soak_pd_decode_retracts_to_host_and_resumes(capsys):
+    # Every swap-in after a resume reads rows restored from host, the newest
+    # token written through at retraction included.
+    soak = _load()
+    rc = soak.main(["--steps", "1000", "--seed", "11", "--mode", "pd", "--verbose"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert rc == 0, "\n".join(out)
+    assert out[-1].startswith("soak seed=11 steps=1000 mode=pd residency=on parking=on OK")
+    stats = out[-2]
+    for exercised in ("transferred", "retract", "resumed", "abort_retracted"):
+        assert f"'{exercised}': 0," not in stats, exercised
 
 
 def test_soak_detects_a_leak():

@@ -1,0 +1,150 @@
+"""PD decode: a retracted request keeps its KV in the host pool.
+
+Under memory pressure a PD decode node retracts requests. SGLang 0.5.13
+snapshots a retracted request's KV to the CPU (``Req.offload_kv_cache`` ->
+allocator ``get_cpu_copy``), frees its slots, and when memory allows restores
+the snapshot into fresh slots (``DecodePreallocQueue.resume_retracted_reqs``
+-> ``_pre_alloc`` -> ``Req.load_kv_cache`` -> ``load_cpu_copy``); the request
+then decodes on without a new prefill. With HiSparse the device pool holds
+only a hot buffer, so 0.5.13 raises ``NotImplementedError`` there
+(sglang#40729).
+
+With HiSparse the request's KV already lives in the host pool, so nothing is
+copied back and forth:
+
+* ``retract_req`` writes the newest token through to host if the last
+  write-through has not, *detaches* the request's host rows into a
+  :class:`RetainedHostKV` and releases its hot buffer as usual;
+* the allocator's ``get_cpu_copy`` hands that object to SGLang, which keeps
+  it on the request as ``kv_cache_cpu`` while it waits in the retracted queue;
+* ``load_cpu_copy`` puts the retained rows into the request's new host-row
+  table (giving back the rows ``_pre_alloc`` just took for it) and admits the
+  request as if its KV had just arrived (``admit_request_direct``);
+* an abort while retracted frees the retained rows
+  (:func:`sglang_hisparse.hooks.scheduler_abort_request`).
+
+A request aborted in the same retraction (SGLang aborts the last one when
+even it does not fit) is released whole instead: it will not come back.
+DeepSeek-V4's compressed pools keep 0.5.13's behaviour (not supported).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class RetainedHostKV:
+    """A retracted request's KV, left in the host pool (SGLang's ``kv_cache_cpu``).
+
+    ``rows`` are the host rows of positions ``[0, num_tokens)`` (whole pages,
+    as allocated); None once restored or released. Empty for a request that
+    was released whole.
+    """
+
+    rid: str
+    num_tokens: int
+    rows: Optional[torch.Tensor]
+    allocated_len: int
+    req: object = None
+
+    @property
+    def holds_rows(self) -> bool:
+        return self.rows is not None and self.rows.numel() > 0
+
+
+def pd_decode_from_server_args() -> bool:
+    """True on a PD decode node (read once, when the coordinator is built)."""
+    try:
+        from sglang.srt.server_args import get_global_server_args
+
+        return str(get_global_server_args().disaggregation_mode) == "decode"
+    except (ImportError, ValueError, AttributeError):
+        return False
+
+
+class RetractToHostMixin:
+    """Mixed into :class:`sglang_hisparse.coordinator.HiSparseCoordinator`;
+    uses its tables, pools, streams and ``request_finished``."""
+
+    def _retains_on_retract(self, req) -> bool:
+        return (self.pd_decode and not self.is_dsv4_hisparse
+                and getattr(req, "to_finish", None) is None
+                and self._live.get(req.req_pool_idx) is req
+                and req.req_pool_idx not in self._resident_rows)
+
+    def _retract_to_host(self, req) -> None:
+        """Keep the request's host rows (plus its newest token) and release the rest."""
+        idx = req.req_pool_idx
+        need = len(req.origin_input_ids) + len(req.output_ids) - 1  # SGLang's snapshot length
+        if self._streams.gpu:
+            if self.decode_producer_stream is not None:
+                torch.cuda.current_stream().wait_stream(self.decode_producer_stream)
+            self.wait_for_pending_backup()
+        # Host holds [0, kv_allocated_len - 1): each decode step writes the
+        # previous token through. Until the first step after admission the
+        # whole prompt is there already.
+        on_host = req.kv_allocated_len - (0 if self._skip_first_backup[idx] else 1)
+        for pos in range(max(on_host, 0), need):
+            self._write_through_one(idx, pos)
+        alloc_len = int(self.req_to_host_pool_allocated_len[idx])
+        rows = self.req_to_host_pool[idx, :self._page_up(alloc_len)].clone()
+        self.req_to_host_pool[idx, :] = -1
+        self.req_to_host_pool_allocated_len[idx] = 0
+        self._pending_retained = RetainedHostKV(req.rid, need, rows, alloc_len, req)
+        self.request_finished(req)  # hot buffer, device rows; no host rows left to free
+
+    def _write_through_one(self, idx: int, pos: int) -> None:
+        """Copy token ``pos`` (the newest, in the newest-token slot) to host now."""
+        host = self.mem_pool_host.try_alloc_paged_token_slots(
+            self.req_to_host_pool, self.req_to_host_pool_allocated_len, idx, pos, 1)
+        if host is None:
+            raise RuntimeError("HiSparse: host pool exhausted while retracting a request")
+        slot = min(pos, self.device_buffer_size)
+        dev = self.req_to_device_buffer[idx, slot:slot + 1]
+        self.mem_pool_host.backup_from_device_all_layer(
+            self.mem_pool_device, host, dev, io_backend="kernel")
+        self.host_bytes_written += self.item_size_bytes * self.layer_num
+
+    # ------------------------------------------------ allocator entry points
+    def take_retained(self, num_tokens: int) -> RetainedHostKV:
+        """``get_cpu_copy``: what ``retract_req`` just kept for this request."""
+        kept, self._pending_retained = self._pending_retained, None
+        if kept is None:  # released whole (aborted, finished, staging)
+            return RetainedHostKV("", num_tokens, None, 0)
+        if kept.num_tokens != num_tokens:
+            self.release_retained(kept)
+            raise RuntimeError(
+                f"HiSparse: retraction snapshot of {kept.rid} covers {kept.num_tokens} "
+                f"tokens, SGLang asked for {num_tokens}")
+        return kept
+
+    def restore_retained(self, kept, token_indices) -> None:
+        """``load_cpu_copy``: the request is back with a new slot and new host
+        rows from ``_pre_alloc``; swap in the retained rows and admit it."""
+        if not isinstance(kept, RetainedHostKV) or not kept.holds_rows:
+            raise RuntimeError(
+                "HiSparse: load_cpu_copy got no retained host KV (the request was "
+                "released whole when it was retracted)")
+        req = kept.req
+        idx = req.req_pool_idx
+        if len(token_indices) != kept.num_tokens:
+            raise RuntimeError(
+                f"HiSparse: {kept.rid} resumes with {len(token_indices)} tokens, "
+                f"retained {kept.num_tokens}")
+        self.mem_pool_host.release_request_rows(
+            self.req_to_host_pool, self.req_to_host_pool_allocated_len, idx)
+        self.req_to_host_pool[idx, :kept.rows.numel()] = kept.rows
+        self.req_to_host_pool_allocated_len[idx] = kept.allocated_len
+        kept.rows = None
+        self.admit_request_direct(req)
+
+    def release_retained(self, kept) -> None:
+        """Free a retained request's host rows (aborted while retracted)."""
+        if isinstance(kept, RetainedHostKV):
+            if kept.holds_rows:
+                self.mem_pool_host.free(kept.rows[kept.rows >= 0])
+            kept.rows = None

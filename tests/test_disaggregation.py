@@ -1,0 +1,234 @@
+"""PD decode retraction on CPU (sglang#40729): a retracted request keeps its KV
+in the host pool and resumes from it.
+
+Retraction runs 0.5.13's own ``release_req`` (``retract_req``,
+``Req.offload_kv_cache`` -> ``get_cpu_copy``, ``release_kv_cache`` through a
+real ``ChunkCache``, ``reset_for_retract``); resumption runs the HiSparse
+branch of ``DecodePreallocQueue._pre_alloc`` (mirrored: the queue needs a
+scheduler and a transfer engine) and the real ``Req.load_kv_cache``. Every
+test counts logical, physical, host and request slots back to the start.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dataplane_fixtures import (
+    PS, decode_step, dsa_pool, free_counts, get_tag, make_req, put_tag, release, req_pool, t64,
+)
+from sglang_hisparse.allocator import HiSparseDualAllocator
+from sglang_hisparse.coordinator import HiSparseCoordinator
+from sglang_hisparse.disaggregation import RetainedHostKV
+
+HOT, TOPK = 128, 16
+
+
+@pytest.fixture
+def server_args(monkeypatch):
+    """The global ServerArgs ``release_kv_cache`` reads, as on a PD decode node."""
+    import sglang.srt.server_args as sa
+
+    args = sa.ServerArgs(model_path="dummy")
+    args.page_size, args.disaggregation_mode = PS, "decode"
+    monkeypatch.setattr(sa, "_global_server_args", args)
+    return args
+
+
+class PDEnv:
+    def __init__(self, pd_decode=None):
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.chunk_cache import ChunkCache
+
+        self.pool = dsa_pool(1024)
+        self.r2t = req_pool(8, 2048)
+        self.alloc = HiSparseDualAllocator(1024, PS, torch.bfloat16, "cpu", self.pool, False, 2)
+        # (a block size given: the configured one would be read from the
+        # global server args' model config, which "dummy" does not have)
+        self.coord = HiSparseCoordinator(self.r2t, self.alloc, TOPK, HOT, "cpu", None, 2,
+                                         swap_in_block_size=1024, pd_decode=pd_decode)
+        self.host = self.coord.mem_pool_host
+        self.cache = ChunkCache(CacheInitParams(disable=True, req_to_token_pool=self.r2t,
+                                                token_to_kv_pool_allocator=self.alloc,
+                                                page_size=PS))
+        self.start = self.counts()
+
+    def counts(self):
+        return free_counts(self.alloc, self.host, self.r2t)
+
+    def pre_alloc(self, req):
+        """``DecodePreallocQueue._pre_alloc``'s HiSparse branch (0.5.13
+        decode.py:1262-1331): a request slot, logical slots only, host rows
+        for the transfer (or, after retraction, the restore)."""
+        (idx,) = self.r2t.alloc([req])
+        req.req_pool_idx = idx
+        n = len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
+        req.kv_allocated_len = req.kv_committed_len = req.fill_len = n
+        logical = self.alloc.alloc_logical_only(t64(0), t64(0), t64(n), t64(n), t64(-1), n)
+        self.r2t.req_to_token[idx, :n] = logical.to(torch.int32)
+        return self.host.alloc_paged_token_slots(
+            self.coord.req_to_host_pool, self.coord.req_to_host_pool_allocated_len, idx, 0,
+            self.coord.host_token_len(n))
+
+    def admit(self, rid, n):
+        """A request whose prompt KV the prefill node wrote into host rows."""
+        req = make_req(rid, n)
+        host = self.pre_alloc(req)
+        for layer in range(self.pool.layer_num):
+            put_tag(self.host.kv_buffer[layer], host[:n], torch.arange(n))
+        self.coord.admit_request_direct(req)
+        return req
+
+    def decode(self, req):
+        """One decode step; the "forward" writes the new token's KV."""
+        _, seq, out = decode_step(self.r2t, self.alloc, self.coord, [req])
+        rows = self.alloc.translate_to_physical(out)
+        for layer in range(self.pool.layer_num):
+            put_tag(self.pool.kv_buffer[layer], rows, seq - 1)
+        req.kv_committed_len = req.kv_allocated_len
+
+    def retract(self, req, server_args):
+        from sglang.srt.managers.schedule_batch import release_req
+
+        release_req(req=req, remaing_req_count=0, server_args=server_args,
+                    req_to_token_pool=self.r2t, token_to_kv_pool_allocator=self.alloc,
+                    tree_cache=self.cache, hisparse_coordinator=self.coord)
+
+    def host_tags(self, rows):
+        return [get_tag(self.host.kv_buffer[layer], rows) for layer in range(self.pool.layer_num)]
+
+    def drained(self):
+        return (self.counts() == self.start and not self.coord.live_request_slots()
+                and int(self.alloc.full_to_hisparse_device_index_mapping[:-1].abs().sum()) == 0)
+
+
+def generated(req, steps, lag):
+    """Output ids as SGLang holds them after ``steps`` decode steps: with the
+    overlap scheduler (lag 1) the last step's token is not processed yet."""
+    req.output_ids = [7] * (steps + 1 - lag)
+
+
+def retracted_after_one_step(env, server_args, to_finish=None):
+    req = env.admit("pd-1", 300)
+    env.decode(req)
+    generated(req, 1, 0)
+    req.to_finish = to_finish
+    env.retract(req, server_args)
+    return req
+
+
+@pytest.mark.parametrize("prompt", [90, 400])  # shorter / longer than the hot buffer
+@pytest.mark.parametrize("steps,lag", [(1, 0), (5, 0), (5, 1), (0, 0)])
+def test_retracted_request_resumes_from_its_host_rows(server_args, prompt, steps, lag):
+    env = PDEnv()
+    req = env.admit("pd", prompt)
+    for _ in range(steps):
+        env.decode(req)
+    generated(req, steps, lag)
+    want = prompt + steps - lag  # SGLang's snapshot length: seqlen - 1
+    rows_before = env.host.available_size()
+
+    env.retract(req, server_args)
+
+    kept = req.kv_cache_cpu
+    assert isinstance(kept, RetainedHostKV) and kept.num_tokens == want
+    # only the retained host rows are still taken; the newest token joined them
+    now = env.counts()
+    assert {k: now[k] for k in ("logical", "physical", "req")} == \
+        {k: env.start[k] for k in ("logical", "physical", "req")}, (now, env.start)
+    held = kept.rows.numel()  # whole pages
+    assert now["host"] == env.start["host"] - held <= rows_before
+    assert not env.coord.live_request_slots()
+    for tags in env.host_tags(kept.rows[:want]):
+        assert tags == list(range(want))
+
+    env.pre_alloc(req)  # resume_retracted_reqs: new slot, new host rows
+    req.load_kv_cache(env.r2t, env.alloc)
+    assert not hasattr(req, "kv_cache_cpu") and kept.rows is None
+    idx = req.req_pool_idx
+    assert env.coord.live_request_slots() == [idx]
+    assert env.host.available_size() == env.start["host"] - held  # the new rows went back
+    for tags in env.host_tags(env.coord.req_to_host_pool[idx, :want]):
+        assert tags == list(range(want))
+    if want <= HOT:  # a short request is preloaded into its hot buffer
+        dev_rows = env.coord.req_to_device_buffer[idx, :want]
+        assert get_tag(env.pool.kv_buffer[1], dev_rows) == list(range(want))
+
+    for _ in range(3):
+        env.decode(req)
+    host = env.coord.req_to_host_pool[idx, :req.kv_allocated_len - 1]
+    for tags in env.host_tags(host):  # write-through went on from the restored rows
+        assert tags == list(range(req.kv_allocated_len - 1))
+    env.coord.request_finished(req)
+    release(env.r2t, env.alloc, req)
+    assert env.drained()
+
+
+def test_abort_while_retracted_frees_the_retained_rows(server_args):
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.managers.io_struct import AbortReq
+
+    from sglang_hisparse.hooks import scheduler_abort_request
+
+    env = PDEnv()
+    req = retracted_after_one_step(env, server_args)
+    assert req.kv_cache_cpu.holds_rows
+    sched = SimpleNamespace(hisparse_coordinator=env.coord, enable_hisparse=True,
+                            disaggregation_mode=DisaggregationMode.DECODE, waiting_queue=[],
+                            disagg_decode_prealloc_queue=SimpleNamespace(retracted_queue=[req]))
+
+    def original(self, recv_req):  # 0.5.13 abort_request: drops kv_cache_cpu
+        self.disagg_decode_prealloc_queue.retracted_queue = []
+        del req.kv_cache_cpu
+
+    scheduler_abort_request(original, sched, AbortReq(rid="pd"))
+    assert env.drained()
+
+
+def test_request_aborted_in_the_retraction_is_released_whole(server_args):
+    # 0.5.13 retract_decode aborts the last request when even it does not fit
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    env = PDEnv()
+    req = retracted_after_one_step(env, server_args, to_finish=FINISH_ABORT())
+    assert not req.kv_cache_cpu.holds_rows
+    assert env.drained()
+
+
+def test_colocated_retraction_still_releases_everything():
+    env = PDEnv(pd_decode=False)
+    req = env.admit("r", 300)
+    env.decode(req)
+    env.coord.retract_req(req)
+    release(env.r2t, env.alloc, req)
+    assert env.drained()
+    with pytest.raises(NotImplementedError, match="only on a PD decode node"):
+        env.alloc.get_cpu_copy(t64(1, 2))
+
+
+def test_pd_decode_is_read_from_the_server_args(server_args):
+    assert PDEnv().coord.pd_decode
+    server_args.disaggregation_mode = "null"
+    assert not PDEnv().coord.pd_decode
+
+
+def test_pinned_sglang_retraction_calls_what_we_serve():
+    # The flow above mirrors these 0.5.13 lines; a pin that changes them must
+    # fail here rather than in production.
+    import inspect
+
+    from sglang.srt.disaggregation import decode
+    from sglang.srt.managers import schedule_batch
+
+    release = inspect.getsource(schedule_batch.release_req)
+    assert release.index("hisparse_coordinator.retract_req(req)") < release.index(
+        "req.offload_kv_cache(") < release.index("release_kv_cache(")
+    req_src = inspect.getsource(schedule_batch.Req)
+    assert "token_to_kv_pool_allocator.get_cpu_copy(" in req_src
+    assert "token_to_kv_pool_allocator.load_cpu_copy(" in req_src
+    resume = inspect.getsource(decode.DecodePreallocQueue.resume_retracted_reqs)
+    assert resume.index("self._pre_alloc(req)") < resume.index("req.load_kv_cache(")
+    pre_alloc = inspect.getsource(decode.DecodePreallocQueue._pre_alloc)
+    assert "fill_len = len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)" in pre_alloc
+    assert "alloc_logical_only(" in pre_alloc and "alloc_paged_token_slots(" in pre_alloc
+    assert "self.retracted_queue" in inspect.getsource(decode.DecodePreallocQueue)
