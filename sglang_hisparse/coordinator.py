@@ -260,6 +260,8 @@ class HiSparseCoordinator(ResidencyMixin, ParkingMixin, RetractToHostMixin):
         i32 = dict(dtype=torch.int32, device=device)
 
         self.req_to_device_buffer = torch.zeros((max_reqs, P), dtype=torch.int64, device=device)
+        # Slot B's row per request (a view): where a long request's newest token lives.
+        self._newest_slot_rows = self.req_to_device_buffer[:, B]
         self.req_device_buffer_size = torch.zeros(max_reqs, dtype=torch.int64)
         self.req_to_host_pool = torch.full(
             (max_reqs, max_host_ctx + self.page_size), -1, dtype=torch.int64, device=device
@@ -620,6 +622,8 @@ class HiSparseCoordinator(ResidencyMixin, ParkingMixin, RetractToHostMixin):
             self._map_last_loc_dsv4(seq_lens, out_cache_loc, req_pool_indices)
             return
         self._grow_device_buffers(seq_list, idx_list)
+        B = self.device_buffer_size
+        keep = range(len(idx_list))
         if self._resident_rows:
             # Residents got their own rows above; the rest use the newest slot.
             keep = [i for i, idx in enumerate(idx_list) if idx not in self._resident_rows]
@@ -628,11 +632,18 @@ class HiSparseCoordinator(ResidencyMixin, ParkingMixin, RetractToHostMixin):
             sel = torch.tensor(keep, dtype=torch.int64, device=seq_lens.device)
             seq_lens, out_cache_loc, req_pool_indices = (
                 seq_lens[sel], out_cache_loc[sel], req_pool_indices[sel])
-        pos = (seq_lens - 1).clamp(max=self.device_buffer_size)
+        if all(seq_list[i] - 1 > B for i in keep):
+            # Past the buffer the newest token always sits in slot B, whose
+            # row the kernel's table already holds (set when the hot buffer
+            # was made, or by the step that reached slot B: one token per
+            # request per call): only the mapping changes.
+            mapping[out_cache_loc] = self._newest_slot_rows[req_pool_indices]
+            return
+        # Still inside the buffer (or entering slot B): the newest token's slot
+        # moves with it, so slot B's table entry follows.
+        pos = (seq_lens - 1).clamp(max=B)
         slot_rows = self.req_to_device_buffer[req_pool_indices, pos]
-        self.req_device_buffer_token_locs[:, req_pool_indices, self.device_buffer_size] = (
-            slot_rows.to(torch.int32)
-        )
+        self.req_device_buffer_token_locs[:, req_pool_indices, B] = slot_rows.to(torch.int32)
         mapping[out_cache_loc] = slot_rows
 
     def _map_last_loc_dsv4(self, seq_lens, out_cache_loc, req_pool_indices) -> None:
