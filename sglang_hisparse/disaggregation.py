@@ -90,8 +90,8 @@ class RetractToHostMixin:
         on_host = req.kv_allocated_len - (0 if self._skip_first_backup[idx] else 1)
         for pos in range(max(on_host, 0), need):
             self._write_through_one(idx, pos)
-        alloc_len = int(self.req_to_host_pool_allocated_len[idx])
-        rows = self.req_to_host_pool[idx, :self._page_up(alloc_len)].clone()
+        alloc_len = int(self.req_to_host_pool_allocated_len[idx])  # whole host pages
+        rows = self.req_to_host_pool[idx, :alloc_len].clone()
         self.req_to_host_pool[idx, :] = -1
         self.req_to_host_pool_allocated_len[idx] = 0
         self._pending_retained = RetainedHostKV(req.rid, need, rows, alloc_len, req)

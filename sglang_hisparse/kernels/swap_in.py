@@ -78,6 +78,7 @@ def swap_in_smem_bytes(top_k: int, hot_buffer_size: int, hash_scale: int = MIN_H
     )
 
 
+@functools.cache  # read on every eager launch
 def default_hash_scale(top_k: int, hot_buffer_size: int) -> int:
     """Buckets per top-k entry for the resolve's hash table: the widest of
     HASH_SCALES that fits shared memory. Fewer buckets mean longer probes;
