@@ -6,7 +6,8 @@ Retraction runs 0.5.13's own ``release_req`` (``retract_req``,
 real ``ChunkCache``, ``reset_for_retract``); resumption runs the HiSparse
 branch of ``DecodePreallocQueue._pre_alloc`` (mirrored: the queue needs a
 scheduler and a transfer engine) and the real ``Req.load_kv_cache``. Every
-test counts logical, physical, host and request slots back to the start.
+lifecycle test counts logical, physical, host and request slots back to the
+start.
 """
 
 from types import SimpleNamespace
