@@ -86,28 +86,21 @@ class RetractToHostMixin:
             self.wait_for_pending_backup()
         # Host holds [0, kv_allocated_len - 1): each decode step writes the
         # previous token through. Until the first step after admission the
-        # whole prompt is there already.
+        # whole prompt is there already. Write the rest (only ever the newest
+        # token) through the same way, as if the next step had begun.
         on_host = req.kv_allocated_len - (0 if self._skip_first_backup[idx] else 1)
-        for pos in range(max(on_host, 0), need):
-            self._write_through_one(idx, pos)
+        seqs = [pos + 2 for pos in range(max(on_host, 0), need)]
+        if seqs:
+            dev = self.req_to_host_pool.device
+            self._eager_backup_previous_token(
+                torch.tensor(seqs, dtype=torch.int64, device=dev),
+                torch.full((len(seqs),), idx, dtype=torch.int64, device=dev), seqs, [idx] * len(seqs))
         alloc_len = int(self.req_to_host_pool_allocated_len[idx])  # whole host pages
         rows = self.req_to_host_pool[idx, :alloc_len].clone()
         self.req_to_host_pool[idx, :] = -1
         self.req_to_host_pool_allocated_len[idx] = 0
         self._pending_retained = RetainedHostKV(req.rid, need, rows, alloc_len, req)
         self.request_finished(req)  # hot buffer, device rows; no host rows left to free
-
-    def _write_through_one(self, idx: int, pos: int) -> None:
-        """Copy token ``pos`` (the newest, in the newest-token slot) to host now."""
-        host = self.mem_pool_host.try_alloc_paged_token_slots(
-            self.req_to_host_pool, self.req_to_host_pool_allocated_len, idx, pos, 1)
-        if host is None:
-            raise RuntimeError("HiSparse: host pool exhausted while retracting a request")
-        slot = min(pos, self.device_buffer_size)
-        dev = self.req_to_device_buffer[idx, slot:slot + 1]
-        self.mem_pool_host.backup_from_device_all_layer(
-            self.mem_pool_device, host, dev, io_backend="kernel")
-        self.host_bytes_written += self.item_size_bytes * self.layer_num
 
     # ------------------------------------------------ allocator entry points
     def take_retained(self, num_tokens: int) -> RetainedHostKV:
