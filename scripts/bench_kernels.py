@@ -226,6 +226,22 @@ def ours(world: World, bs: int, top_k: torch.Tensor, out, num_real, seq_lens, re
     return call
 
 
+def median_phases(world: World, timer: Timer, call_with_probe, n: int) -> dict:
+    """The kernel's phase stamps (us), median of ``n`` eager launches from the
+    same state with L2 flushed; ``call_with_probe(probe)`` builds the call."""
+    from sglang_hisparse.kernels import new_probe, probe_phases_us
+
+    stamps = []
+    for _ in range(n):
+        world.restore()
+        timer.flush_buf.zero_()
+        probe = new_probe("cuda")
+        call_with_probe(probe)()
+        torch.cuda.synchronize()
+        stamps.append(probe_phases_us(probe))
+    return {k: statistics.median(d[k] for d in stamps) for k in stamps[0]}
+
+
 def breakdown(world: World, timer: Timer, batches, misses) -> list[dict]:
     """Where one call's time goes (--breakdown).
 
@@ -235,7 +251,6 @@ def breakdown(world: World, timer: Timer, batches, misses) -> list[dict]:
     no resolve at all: every request resident (positions translated through
     req_to_token) and every sequence shorter than the buffer.
     """
-    from sglang_hisparse.kernels import new_probe, probe_phases_us
 
     rows = []
     for bs in batches:
@@ -246,15 +261,8 @@ def breakdown(world: World, timer: Timer, batches, misses) -> list[dict]:
         out = torch.empty((bs, TOP_K), dtype=torch.int32, device="cuda")
         for miss in misses:
             top_k = world.top_k(bs, miss)
-            stamps = []
-            for _ in range(15):
-                world.restore()
-                timer.flush_buf.zero_()
-                probe = new_probe("cuda")
-                ours(world, bs, top_k, out, num_real, seq_lens, reqs, probe=probe)()
-                torch.cuda.synchronize()
-                stamps.append(probe_phases_us(probe))
-            phases = {k: statistics.median(d[k] for d in stamps) for k in stamps[0]}
+            phases = median_phases(world, timer, lambda probe: ours(
+                world, bs, top_k, out, num_real, seq_lens, reqs, probe=probe), 15)
             row = dict(batch=bs, miss=miss, phases_us=phases)
             variants = {"split=1": dict(blocks_per_req=1)}
             if bs == 1:
@@ -282,7 +290,6 @@ def compare_hash_scales(world: World, timer: Timer, variants, batches, misses) -
     """Hash scales side by side (--hash-scale): per point, each scale's
     graph-timed call (interleaved, so drift hits all alike), whether it
     leaves exactly the first scale's state, and its block (0, 0) phase stamps."""
-    from sglang_hisparse.kernels import new_probe, probe_phases_us
 
     rows = []
     for bs in batches:
@@ -296,15 +303,8 @@ def compare_hash_scales(world: World, timer: Timer, variants, batches, misses) -
                 if r != variants[0]:
                     ref = ours(world, bs, top_k, out_b, num_real, seq_lens, reqs, hash_scale=variants[0])
                     row[f"x{r}_check"] = same_state(world, fn, ref, out_a, out_b)
-                stamps = []
-                for _ in range(7):
-                    world.restore()
-                    timer.flush_buf.zero_()
-                    probe = new_probe("cuda")
-                    ours(world, bs, top_k, out_a, num_real, seq_lens, reqs, hash_scale=r, probe=probe)()
-                    torch.cuda.synchronize()
-                    stamps.append(probe_phases_us(probe))
-                row[f"x{r}_phases"] = {k: statistics.median(d[k] for d in stamps) for k in stamps[0]}
+                row[f"x{r}_phases"] = median_phases(world, timer, lambda probe: ours(
+                    world, bs, top_k, out_a, num_real, seq_lens, reqs, hash_scale=r, probe=probe), 7)
             rows.append(row)
             log(f"  bs {bs:>2} miss {miss * 100:>3.0f}%  " + "  ".join(
                 f"x{r} {row[f'x{r}_us']:.1f}" + (f" [{row[f'x{r}_check']}]" if f"x{r}_check" in row else "")
