@@ -59,6 +59,13 @@ def _kv_tag(uid: int, tok: int, layer: int):
     return (tok % 251, uid % 251, layer + 1, (tok // 251) % 251)
 
 
+def _put_tags(layer_buffers, uid: int, positions, rows) -> None:
+    """Write each position's tag into its row, every layer."""
+    for layer, buf in enumerate(layer_buffers):
+        for p, row in zip(positions, rows):
+            buf[row, 0, :4] = torch.tensor(_kv_tag(uid, p, layer), dtype=buf.dtype)
+
+
 class LruModel:
     """Independent model of one (layer, request) hot buffer."""
 
@@ -166,10 +173,7 @@ class Sim:
         phys = self.alloc.translate_to_physical(logical)
         if bool((phys <= 0).any()):
             raise Mismatch(f"{req.rid}: write to an unmapped logical slot")
-        for layer in range(self.layers):
-            buf = self.pool.kv_buffer[layer]
-            for p, row in zip(positions, phys.tolist()):
-                buf[row, 0, :4] = torch.tensor(_kv_tag(req.sim_uid, p, layer), dtype=buf.dtype)
+        _put_tags(self.pool.kv_buffer, req.sim_uid, positions, phys.tolist())
 
     def release_slots(self, req):
         n = req.kv_allocated_len
@@ -433,10 +437,8 @@ class Sim:
             return
         req = self.waiting.pop(0)
         rows = self.coord.req_to_host_pool[req.req_pool_idx, :req.sim_target]
-        for layer in range(self.layers):  # the prefill node's KV lands on host
-            buf = self.host.kv_buffer[layer]
-            for p, row in enumerate(rows.tolist()):
-                buf[row, 0, :4] = torch.tensor(_kv_tag(req.sim_uid, p, layer), dtype=buf.dtype)
+        # the prefill node's KV lands on host
+        _put_tags(self.host.kv_buffer, req.sim_uid, range(req.sim_target), rows.tolist())
         req.sim_len = req.sim_target
         self.coord.admit_request_direct(req)
         self.join(req)
