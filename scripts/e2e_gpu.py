@@ -83,12 +83,15 @@ STEP_TIMER_DIR = Path(__file__).resolve().parent / "steptimer"
 
 
 def server_cmd(model: str, port: int, config: str, extra: list[str],
-               step_timer_out: Optional[Path] = None) -> tuple[list[str], dict]:
+               step_timer_out: Optional[Path] = None,
+               step_profile: bool = False) -> tuple[list[str], dict]:
     env = dict(os.environ)
     if step_timer_out is not None:
         # scripts/steptimer is a diagnostic SGLang plugin (see its docstring).
         step_timer_out.mkdir(parents=True, exist_ok=True)
         env["STEPTIMER_OUT"] = str(step_timer_out)
+        if step_profile:
+            env["STEPTIMER_PROFILE"] = "1"
         env["PYTHONPATH"] = os.pathsep.join(
             [str(STEP_TIMER_DIR)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     args = [
@@ -183,8 +186,9 @@ def exit_on_sigterm() -> None:
 
 
 class Server:
-    def __init__(self, model, port, config, extra, log_path, step_timer_out=None, cpus=None):
-        cmd, env = server_cmd(model, port, config, extra, step_timer_out)
+    def __init__(self, model, port, config, extra, log_path, step_timer_out=None, cpus=None,
+                 step_profile=False):
+        cmd, env = server_cmd(model, port, config, extra, step_timer_out, step_profile)
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
         self.log = open(log_path, "w")
@@ -372,6 +376,10 @@ def main() -> int:
     ap.add_argument("--step-timer", action="store_true",
                     help="time the scheduler's per-step functions in every server "
                          "(scripts/steptimer) and print them per workload and config")
+    ap.add_argument("--step-profile", action="store_true",
+                    help="with --step-timer: also cProfile each scheduler thread (LOGS/steptimer_*/"
+                         "profile_*.prof; compare two with scripts/steptimer/hisparse_steptimer.py "
+                         "A B); slows the servers, so its timings are not figures")
     ap.add_argument("--cpu-probe", action="store_true",
                     help="first time a Python loop on every core and print the spread (see Noise above)")
     ap.add_argument("--cpus", default="",
@@ -379,6 +387,7 @@ def main() -> int:
     ap.add_argument("--baseline-json", default=None,
                     help="take the base runs from an earlier e2e JSON instead of launching base")
     args = ap.parse_args()
+    args.step_timer = args.step_timer or args.step_profile
     if args.merge:
         return merge(args)
     exit_on_sigterm()
@@ -404,7 +413,8 @@ def main() -> int:
                 log = Path(args.logs) / f"server_{cfg}_{ws[0]}_{rep}.log"
                 timer_out = (Path(args.logs) / f"steptimer_{cfg}_{ws[0]}_{rep}"
                              if args.step_timer else None)
-                srv = Server(args.model, args.port, cfg, list(flags), log, timer_out, cpus)
+                srv = Server(args.model, args.port, cfg, list(flags), log, timer_out, cpus,
+                             step_profile=args.step_profile)
                 try:
                     ready = srv.wait_ready()
                     print(f"[{cfg} rep{rep}] ready in {ready:.0f}s", flush=True)
@@ -412,6 +422,9 @@ def main() -> int:
                         # The first batch after launch pays one-time costs (JIT
                         # builds, allocator growth): run each workload once unrecorded.
                         run_workload(srv.url, w, seed0=7919)
+                    if args.step_profile and timer_out is not None:
+                        # The profile restarts at the first batch after this.
+                        (timer_out / "profile_reset").touch()
                     for inner, w in [(i, w) for i in range(args.inner_repeats) for w in ws]:
                         mark = log.stat().st_size
                         time.sleep(0.6 if timer_out else 0)  # let the snapshot catch up

@@ -80,7 +80,9 @@ class _ReservingPagedAllocator(PagedTokenToKVPoolAllocator):
         super().__init__(*args, **kwargs)
 
     def raw_available_size(self) -> int:
-        return (len(self.free_pages) + len(self.release_pages)) * self.page_size
+        # shape[0], not len(): the scheduler asks several times a step, and
+        # Tensor.__len__ is a Python-level call.
+        return (self.free_pages.shape[0] + self.release_pages.shape[0]) * self.page_size
 
     def available_size(self) -> int:
         return max(0, self.raw_available_size() - int(self._held_back()))
@@ -250,9 +252,11 @@ class HiSparseDualAllocator(BaseTokenToKVPoolAllocator):
         less the host space owed to live requests, and free rows less those
         owed (hot buffers still to grow, prefill claims) plus what demoting
         residents gives back. One walk of the live requests for both."""
-        phys_owed, host_owed = self._owed()
+        provider = self._reservation_provider
+        phys_owed, host_owed = provider() if provider is not None else (0, 0)
+        claims = self._prefill_claims
         physical = max(0, self.hisparse_attn_allocator.raw_available_size() - phys_owed
-                       - self.pending_prefill_claim()) + self._reclaimable()
+                       - (sum(claims.values()) if claims else 0)) + self._reclaimable()
         logical = self.logical_attn_allocator.raw_available_size()
         if self._host_pool is not None:
             logical = min(logical, max(0, self._host_pool.available_size() - host_owed))

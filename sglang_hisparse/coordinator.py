@@ -311,7 +311,8 @@ class HiSparseCoordinator(ResidencyMixin, ParkingMixin, RetractToHostMixin):
         # and steps on the device: the decode path never syncs for it.
         self._tally = torch.zeros(2, dtype=torch.int64, device=device)
         self._tally_host = torch.zeros(2, dtype=torch.int64, pin_memory=self._tally.is_cuda)
-        self._tally_copy = None  # CUDA event of the copy into _tally_host in flight
+        self._tally_copy = None  # CUDA event recorded after each copy into _tally_host
+        self._tally_copy_pending = False  # a copy is in flight (its event not yet seen)
         self._tally_seen = [0, 0]
         self.host_bytes_written = 0
         self.host_bytes_read_staging = 0  # preload (direct admission)
@@ -340,22 +341,28 @@ class HiSparseCoordinator(ResidencyMixin, ParkingMixin, RetractToHostMixin):
         return m if m is not None else self.mem_pool_device.full_to_hisparse_device_index_mapping
 
     def _owed_tokens(self):
-        """(physical, host) tokens live requests may still claim; see allocator."""
+        """(physical, host) tokens live requests may still claim; see allocator.
+        The scheduler asks several times a step: one flat loop, no helpers."""
         phys = host = 0
-        P = self.padded_buffer_size
+        P, ps = self.padded_buffer_size, self.page_size
+        cr = self.compress_ratio if self.is_dsv4_hisparse else 1
+        resident, parked = self._resident_rows, self._parked
+        buffer_size, host_len = self._buffer_size_np, self._host_len_np
         for idx, req in self._live.items():
-            if idx in self._resident_rows:
-                held = self._resident_rows[idx]
-            elif idx in self._parked:
+            if idx in resident:
+                held = resident[idx]
+            elif idx in parked:
                 held = P  # claims rows only when it joins (checked then)
             elif getattr(req, "hisparse_staging", False):
                 # Rows it still holds from prefill, in this pool's units (C4 rows for V4).
-                held = self._page_up(self.host_token_len(req.fill_len))
+                held = -(-(req.fill_len // cr) // ps) * ps
             else:
-                held = int(self._buffer_size_np[idx])
-            phys += max(0, P - held)
-            need = self._page_up(self.host_token_len(req.kv_allocated_len))
-            host += max(0, need - int(self._host_len_np[idx]))
+                held = int(buffer_size[idx])
+            if held < P:
+                phys += P - held
+            need = -(-(req.kv_allocated_len // cr) // ps) * ps - int(host_len[idx])
+            if need > 0:
+                host += need
         return phys, host
 
     def _buffer_size_for(self, num_tokens: int) -> int:
@@ -390,13 +397,15 @@ class HiSparseCoordinator(ResidencyMixin, ParkingMixin, RetractToHostMixin):
         the decode step it overlaps with."""
         if not self._tally.is_cuda:
             return self._tally.tolist()
-        if self._tally_copy is not None and self._tally_copy.query():
-            self._tally_seen = self._tally_host.tolist()
-            self._tally_copy = None
         if self._tally_copy is None:
+            self._tally_copy = torch.cuda.Event()  # one event, recorded per copy
+        elif self._tally_copy_pending and self._tally_copy.query():
+            self._tally_seen = self._tally_host.tolist()
+            self._tally_copy_pending = False
+        if not self._tally_copy_pending:
             self._tally_host.copy_(self._tally, non_blocking=True)
-            self._tally_copy = torch.cuda.Event()
             self._tally_copy.record()
+            self._tally_copy_pending = True
         return list(self._tally_seen)
 
     def get_hisparse_stats(self) -> dict:
@@ -614,7 +623,14 @@ class HiSparseCoordinator(ResidencyMixin, ParkingMixin, RetractToHostMixin):
         if seq_lens_cpu is None:
             seq_lens_cpu = seq_lens.cpu()
         seq_list, idx_list = seq_lens_cpu.tolist(), req_pool_indices_cpu.tolist()
-        if self._resident_rows:
+        resident = self._resident_rows
+        if resident:
+            ps = self.page_size
+            if all(idx in resident and (seq - 1) % ps for seq, idx in zip(seq_list, idx_list)):
+                # Residents inside a page already mapped: nothing to do (the
+                # common step for a lone request; everything below would
+                # skip them one by one).
+                return
             self._grow_residents(seq_list, idx_list, out_cache_loc)
         self._eager_backup_previous_token(seq_lens, req_pool_indices, seq_list, idx_list)
         mapping = self._mapping()

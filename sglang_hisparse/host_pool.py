@@ -85,7 +85,7 @@ class PagedHostSlots:
             self._page_in_use = torch.zeros(self.num_pages, dtype=torch.bool)
 
     def available_size(self) -> int:
-        return len(self._free_page_ids) * self.page_size
+        return self._free_page_ids.shape[0] * self.page_size
 
     def free_page_count(self) -> int:
         return len(self._free_page_ids)

@@ -284,6 +284,26 @@ ENTRIES: tuple[Entry, ...] = (
         scope=Scope.DATA_PLANE,
         removal="keep",
     ),
+    Entry(
+        target=(
+            "sglang.srt.managers.scheduler_components.pool_stats_observer."
+            "SchedulerPoolStatsObserver._get_hisparse_token_info"
+        ),
+        kind=Kind.REPLACE,
+        sha256={"0.5.13": "cc63fb010bd7bfdfd0ae688bf20eb26271040a6718b2fec1c2da5ff1b3dcbf9d"},
+        why=(
+            "SGLang reads pool stats for every streamed output, i.e. every decode "
+            "step, and 0.5.13 adds the HiSparse fields with dataclasses.replace, a "
+            "full copy of a 19-field PoolStats; ours sets the same fields on the "
+            "fresh PoolStats get_pool_stats just built (a lone request's step is "
+            "scheduler CPU on small models)."
+        ),
+        native_in=None,
+        impl="sglang_hisparse.metrics:pool_stats_with_hisparse",
+        upstream="none: 0.5.23 still copies (pool_stats_observer.py:248-259)",
+        scope=Scope.DATA_PLANE,
+        removal="keep while the copy is upstream; drop if get_pool_stats stops building fresh stats",
+    ),
     # --- data plane, DeepSeek-V4 (C4 layers): allocator and C4 device pool.
     Entry(
         target="sglang.srt.mem_cache.hisparse_memory_pool.DeepSeekV4HiSparseTokenToKVPoolAllocator",

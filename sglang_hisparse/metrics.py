@@ -94,3 +94,19 @@ def decode_usage_msg_parts(parts, pool_stats, *args, **kwargs):
     if _metrics_enabled():
         publish(stats)
     return list(parts) + format_stats(stats)
+
+
+def pool_stats_with_hisparse(observer, pool_stats):
+    """REPLACE ``SchedulerPoolStatsObserver._get_hisparse_token_info``: the
+    same fields as 0.5.13, set in place. Every branch of ``get_pool_stats``
+    builds a fresh PoolStats just before this call, so nothing else holds it."""
+    coordinator = observer.hisparse_coordinator
+    if not observer.enable_hisparse or coordinator is None:
+        return pool_stats
+    h = coordinator.get_token_stats()
+    pool_stats.is_hisparse = True
+    pool_stats.hisparse_device_tokens = h.device_tokens
+    pool_stats.hisparse_device_token_usage = h.device_token_usage
+    pool_stats.hisparse_host_tokens = h.host_tokens
+    pool_stats.hisparse_host_token_usage = h.host_token_usage
+    return pool_stats

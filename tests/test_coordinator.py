@@ -382,3 +382,38 @@ def test_pinned_sglang_only_fills_num_real_reqs():
             continue  # SGLang's own HiSparse, never called by ours
         uses += re.findall(r"num_real_reqs\b(\.?\w*\(?)", path.read_text())
     assert uses and set(uses) == {".fill_("}, uses
+
+
+def test_pool_stats_set_in_place_match_sglang_copy():
+    # SGLang asks for pool stats on every streamed output; ours sets the
+    # HiSparse fields on the fresh PoolStats instead of copying it, and every
+    # field must come out as 0.5.13's dataclasses.replace makes them.
+    import dataclasses
+
+    from sglang.srt.managers.scheduler_components.pool_stats_observer import (
+        PoolStats, SchedulerPoolStatsObserver,
+    )
+
+    from sglang_hisparse.metrics import pool_stats_with_hisparse
+
+    env = Env()
+    req = env.staged("r", 300)
+    env.coord.collect_ready_reqs()
+    fields = {f.name: None for f in dataclasses.fields(SchedulerPoolStatsObserver)}
+    observer = SchedulerPoolStatsObserver(**dict(
+        fields, hisparse_coordinator=env.coord, enable_hisparse=True))
+    fresh = lambda: PoolStats(full_num_used=7, full_token_usage=0.25,  # noqa: E731
+                              full_available_size=9, full_evictable_size=0)
+    h = env.coord.get_token_stats()
+    sglang = dataclasses.replace(
+        fresh(), is_hisparse=True, hisparse_device_tokens=h.device_tokens,
+        hisparse_device_token_usage=h.device_token_usage, hisparse_host_tokens=h.host_tokens,
+        hisparse_host_token_usage=h.host_token_usage)
+    ours = pool_stats_with_hisparse(observer, fresh())
+    assert dataclasses.asdict(ours) == dataclasses.asdict(sglang)
+    assert ours.hisparse_host_tokens > 0 and ours.hisparse_device_tokens > 0
+    off = SchedulerPoolStatsObserver(**dict(fields, enable_hisparse=False))
+    plain = fresh()
+    assert pool_stats_with_hisparse(off, plain) is plain and not plain.is_hisparse
+    env.finish(req)
+    assert env.drained()

@@ -72,12 +72,16 @@ def test_step_timer_share_of_one_workload(tmp_path, capsys):
     assert float(row.split()[-1]) == 100.0  # 20 ms over 200 batches
 
 
-def test_step_timer_plugin_times_and_stays_off_without_its_variable(monkeypatch, tmp_path):
+def _load_step_timer():
     sys.path.insert(0, str(SCRIPTS / "steptimer"))
     try:
-        timer = _load("hisparse_steptimer", SCRIPTS / "steptimer" / "hisparse_steptimer.py")
+        return _load("hisparse_steptimer", SCRIPTS / "steptimer" / "hisparse_steptimer.py")
     finally:
         sys.path.pop(0)
+
+
+def test_step_timer_plugin_times_and_stays_off_without_its_variable(monkeypatch, tmp_path):
+    timer = _load_step_timer()
     monkeypatch.delenv("STEPTIMER_OUT", raising=False)
     from sglang.srt.managers.scheduler import Scheduler
 
@@ -91,6 +95,59 @@ def test_step_timer_plugin_times_and_stays_off_without_its_variable(monkeypatch,
     assert timer._stats["f"][1] == 2 and timer._stats["f"][0] >= 0
     meta = (SCRIPTS / "steptimer" / "hisparse_steptimer-0.1.dist-info" / "entry_points.txt").read_text()
     assert "[sglang.srt.plugins]" in meta and "hisparse_steptimer:register" in meta
+
+
+def _spin(n):
+    total = 0
+    for i in range(n):  # own time, not a builtin's
+        total += i
+    return total
+
+
+def test_step_profile_dumps_from_the_scheduler_thread_and_compares_by_name(monkeypatch, tmp_path):
+    # The profile attributes what one configuration adds to a step: a
+    # function only B runs must come out on top, per decode batch.
+    timer = _load_step_timer()
+    from sglang.srt.managers.scheduler import Scheduler
+
+    def one_config(name, extra):
+        out = tmp_path / name
+        out.mkdir()
+        monkeypatch.setattr(Scheduler, "process_batch_result", lambda self: None)
+        monkeypatch.setattr(Scheduler, "get_next_batch_to_run", lambda self: self)
+        clock = [0.0]
+        monkeypatch.setattr(timer.time, "time", lambda: clock[0])
+        prof = timer._profile_scheduler_thread(str(out / "profile_1.prof"))
+        try:
+            _spin(300_000)  # warm-up: cleared by the reset below
+            (out / "profile_reset").touch()
+            clock[0] = 1.0
+            Scheduler.process_batch_result(None)
+            assert not (out / "profile_reset").exists()
+            for _ in range(10):
+                Scheduler.get_next_batch_to_run(1)
+                _spin(1000)
+                if extra:
+                    _spin(20_000)
+                Scheduler.process_batch_result(None)
+            Scheduler.get_next_batch_to_run(None)  # idle: not profiled
+            _spin(500_000)
+            clock[0] = 2.0
+            Scheduler.get_next_batch_to_run(1)
+            Scheduler.process_batch_result(None)
+        finally:
+            prof.disable()
+            monkeypatch.undo()
+        return out
+
+    a, b = one_config("a", False), one_config("b", True)
+    rows = timer.compare_profiles(str(a), str(b))
+    assert rows[1] == ("(batches)", 11, 11, 0)
+    top = rows[2]
+    assert "_spin" in top[0] and top[3] > 0 and top[2] > top[1]
+    # Neither the warm-up nor the idle spin counts: 10 x (1000 [+ 20000]) steps.
+    a_us, b_us = top[1] * 11, top[2] * 11
+    assert b_us > 5 * a_us
 
 
 def test_busiest_threads_finds_a_spinning_thread():

@@ -12,6 +12,15 @@ diffs two snapshots to get one workload's share.
 Timers are installed when the scheduler's event loop starts, after every
 plugin's hooks, so each timer wraps whatever SGLang and the other plugins
 made of the function.
+
+With STEPTIMER_PROFILE=1 the scheduler thread also runs under cProfile
+while it has batches to run, and STEPTIMER_OUT/profile_<pid>.prof (pstats
+format, with the batch count in profile_<pid>.prof.json) is rewritten every
+0.5 s from that thread; a file STEPTIMER_OUT/profile_reset starts it over.
+``python hisparse_steptimer.py A B`` lists the functions whose own time per
+batch differs most between two such folders, so what one configuration adds
+to a step shows up by name. The profiler slows Python several-fold: use it
+to attribute, never to time.
 """
 
 from __future__ import annotations
@@ -89,8 +98,102 @@ def _install(scheduler) -> None:
         for meth in COORDINATOR:
             if hasattr(coord, meth):
                 setattr(coord, meth, _timed(f"coordinator.{meth}", getattr(coord, meth)))
-    path = os.path.join(os.environ["STEPTIMER_OUT"], f"steptimer_{os.getpid()}.json")
+    out = os.environ["STEPTIMER_OUT"]
+    path = os.path.join(out, f"steptimer_{os.getpid()}.json")
     threading.Thread(target=_dump_forever, args=(path,), daemon=True).start()
+    if os.environ.get("STEPTIMER_PROFILE") == "1":
+        _profile_scheduler_thread(os.path.join(out, f"profile_{os.getpid()}.prof"))
+
+
+def _profile_scheduler_thread(path: str):
+    """cProfile the calling (scheduler) thread while it has batches to run
+    (idle loop iterations would swamp a decode step's functions); dump from
+    it every 0.5 s, after a batch's results are processed (a profiler is per
+    thread, so the dumping thread above cannot). A file ``profile_reset``
+    beside the dump (the driver writes it after the warm-up workload) clears
+    the profile and its batch count, so one-time costs stay out."""
+    import cProfile
+
+    from sglang.srt.managers.scheduler import Scheduler
+
+    prof = cProfile.Profile()
+    state = {"due": time.time() + 0.5, "batches": 0, "on": True}
+    reset = os.path.join(os.path.dirname(path), "profile_reset")
+    next_batch, process = Scheduler.get_next_batch_to_run, Scheduler.process_batch_result
+
+    @functools.wraps(next_batch)
+    def get_next_batch_to_run(*args, **kwargs):
+        batch = next_batch(*args, **kwargs)
+        if batch is None and state["on"]:
+            prof.disable()
+            state["on"] = False
+        elif batch is not None and not state["on"]:
+            prof.enable()
+            state["on"] = True
+        return batch
+
+    @functools.wraps(process)
+    def process_batch_result(*args, **kwargs):
+        try:
+            return process(*args, **kwargs)
+        finally:
+            state["batches"] += 1
+            if time.time() >= state["due"]:
+                prof.disable()
+                if os.path.exists(reset):
+                    os.remove(reset)
+                    prof.clear()
+                    state["batches"] = 0
+                else:
+                    prof.dump_stats(path + ".tmp")
+                    os.replace(path + ".tmp", path)
+                    with open(path + ".json", "w") as f:
+                        json.dump({"batches": state["batches"]}, f)
+                if state["on"]:
+                    prof.enable()
+                state["due"] = time.time() + 0.5
+
+    Scheduler.get_next_batch_to_run = get_next_batch_to_run
+    Scheduler.process_batch_result = process_batch_result
+    prof.enable()
+    return prof
+
+
+def compare_profiles(dir_a: str, dir_b: str, top: int = 40) -> list:
+    """Rows (function, A us, B us, B - A us) of own time per batch, largest
+    |difference| first. Each folder holds one server's profile_*.prof and
+    the batch count beside it (profile_*.prof.json)."""
+    import glob
+    import pstats
+    import re
+
+    def load(d):
+        batches, stats = 0, {}
+        for f in glob.glob(os.path.join(d, "profile_*.prof")):
+            with open(f + ".json") as fh:
+                batches += json.load(fh)["batches"]
+            for (file, line, name), (_, _, tt, _, _) in pstats.Stats(f).stats.items():
+                # Builtins carry their address: the same one differs per process.
+                key = f"{os.path.basename(file)}:{line}({re.sub(' at 0x[0-9a-f]+', '', name)})"
+                stats[key] = stats.get(key, 0.0) + tt
+        return {k: v * 1e6 / max(batches, 1) for k, v in stats.items()}, batches
+
+    a, na = load(dir_a)
+    b, nb = load(dir_b)
+    rows = [(k, a.get(k, 0.0), b.get(k, 0.0), b.get(k, 0.0) - a.get(k, 0.0)) for k in set(a) | set(b)]
+    rows.sort(key=lambda r: -abs(r[3]))
+    total = (sum(a.values()), sum(b.values()), sum(b.values()) - sum(a.values()))
+    return [("(all functions)",) + total, ("(batches)", na, nb, nb - na)] + rows[:top]
+
+
+def _main(argv) -> int:
+    if len(argv) != 2:
+        print("usage: hisparse_steptimer.py PROFILE_DIR_A PROFILE_DIR_B")
+        return 2
+    print(f"{'own time per batch, us':<70} {'A':>9} {'B':>9} {'B - A':>9}")
+    for name, ta, tb, d in compare_profiles(*argv):
+        print(f"{name[-70:]:<70} {ta:>9.1f} {tb:>9.1f} {d:>+9.1f}")
+    return 0
 
 
 def register() -> None:
@@ -110,3 +213,9 @@ def register() -> None:
         return original(self, *args, **kwargs)
 
     Scheduler.run_event_loop = run_event_loop
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(_main(sys.argv[1:]))
