@@ -1,9 +1,10 @@
 #!/usr/bin/env python
-"""Seeded random HiSparse lifecycle on CPU with the real SGLang 0.5.13 pools.
+"""Seeded random HiSparse lifecycle with the real SGLang 0.5.13 pools.
 
-    TRITON_INTERPRET=1 python scripts/soak_cpu.py --steps 1000 --seed 0
+    python scripts/soak.py --steps 1000 --seed 0                 # CPU
+    TRITON_INTERPRET=0 python scripts/soak.py --device cuda ...  # GPU
 
-Builds SGLang's ``ReqToTokenPool`` and ``DSATokenToKVPool`` on device="cpu"
+Builds SGLang's ``ReqToTokenPool`` and ``DSATokenToKVPool`` on the device
 plus our allocator / host pool / coordinator, then plays a scheduler: arrivals
 with prompt lengths from a few tokens to several hot buffers, (chunked)
 prefill, finish right after prefill, staging (copies kept "in flight" for a
@@ -25,6 +26,13 @@ swap-in's hot-slot/LRU update is checked step by step against an independent
 pure-Python LRU model. At the end everything is drained and one line states
 free-after-drain vs free-at-start for every allocator and the host pool.
 Exit status is non-zero on a leak or any mismatch.
+
+On CPU the swap-in is the torch reference and staging copies finish after a
+random number of polls; with ``--device cuda`` everything the coordinator
+does runs as in a server (our JIT swap-in kernel, SGLang's Triton allocator
+kernels, staging and write-through on their own streams, pinned host
+memory), with each swap-in launched after ``wait_for_pending_backup`` as
+SGLang's model runner does, and the same checks read the device back.
 """
 
 from __future__ import annotations
@@ -44,10 +52,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def _swap_in_reference():
-    from sglang_hisparse.kernels.reference import swap_in_selected
+def _swap_in_for(device: str):
+    """(swap-in function for the coordinator, its name): the torch reference
+    on CPU, the coordinator's own default (our JIT kernel) on CUDA."""
+    if device == "cpu":
+        from sglang_hisparse.kernels.reference import swap_in_selected
 
-    return swap_in_selected, "sglang_hisparse.kernels.reference"
+        return swap_in_selected, "sglang_hisparse.kernels.reference"
+    return None, "sglang_hisparse.kernels.swap_in (JIT)"
 
 
 class Mismatch(AssertionError):
@@ -61,9 +73,13 @@ def _kv_tag(uid: int, tok: int, layer: int):
 
 def _put_tags(layer_buffers, uid: int, positions, rows) -> None:
     """Write each position's tag into its row, every layer."""
+    positions, rows = list(positions), list(rows)
+    if not positions:
+        return
     for layer, buf in enumerate(layer_buffers):
-        for p, row in zip(positions, rows):
-            buf[row, 0, :4] = torch.tensor(_kv_tag(uid, p, layer), dtype=buf.dtype)
+        tags = [_kv_tag(uid, p, layer) for p in positions]
+        buf[torch.tensor(rows, dtype=torch.int64, device=buf.device), 0, :4] = torch.tensor(
+            tags, dtype=buf.dtype, device=buf.device)
 
 
 class LruModel:
@@ -92,7 +108,7 @@ class Sim:
     def __init__(self, seed: int, page_size: int = 64, phys_pages: int = 30, ratio: int = 3,
                  hot: int = 128, top_k: int = 16, layers: int = 2, max_reqs: int = 12,
                  max_ctx: int = 1400, residency: bool = True, parking: bool = True,
-                 pd: bool = False):
+                 pd: bool = False, device: str = "cpu"):
         from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool
 
         from sglang_hisparse.allocator import HiSparseDualAllocator
@@ -102,24 +118,25 @@ class Sim:
         torch.manual_seed(seed)
         self.ps, self.hot, self.top_k, self.layers = page_size, hot, top_k, layers
         self.max_ctx = max_ctx
+        self.device = device
         phys = phys_pages * page_size
         self.pool = DSATokenToKVPool(
             size=phys, page_size=page_size, kv_lora_rank=512, dtype=torch.bfloat16,
-            qk_rope_head_dim=64, layer_num=layers, device="cpu", index_head_dim=128,
+            qk_rope_head_dim=64, layer_num=layers, device=device, index_head_dim=128,
             enable_memory_saver=False, kv_cache_dim=576,
         )
-        self.r2t = ReqToTokenPool(size=max_reqs, max_context_len=max_ctx, device="cpu",
+        self.r2t = ReqToTokenPool(size=max_reqs, max_context_len=max_ctx, device=device,
                                   enable_memory_saver=False)
-        self.alloc = HiSparseDualAllocator(phys, page_size, torch.bfloat16, "cpu", self.pool,
+        self.alloc = HiSparseDualAllocator(phys, page_size, torch.bfloat16, device, self.pool,
                                            False, host_to_device_ratio=ratio)
-        self.ref, self.ref_name = _swap_in_reference()
+        self.ref, self.ref_name = _swap_in_for(device)
         from sglang_hisparse.host_pool import HiSparseMLAHostPool
 
         # Host smaller than the logical space, so admission is host-bound at times.
         per_token = 576 * 2 * layers
         host = HiSparseMLAHostPool(self.pool, host_size=(phys * 2.5 * per_token) / 1e9,
                                    page_size=page_size)
-        self.coord = HiSparseCoordinator(self.r2t, self.alloc, top_k, hot, "cpu", None, ratio,
+        self.coord = HiSparseCoordinator(self.r2t, self.alloc, top_k, hot, device, None, ratio,
                                          host_pool=host, swap_in_fn=self.ref,
                                          residency=residency, pd_decode=pd)
         self.pd = pd
@@ -185,6 +202,13 @@ class Sim:
         self.models.pop(req, None)
         self.was_resident.discard(req)
 
+    def dev(self, values, dtype=torch.int64):
+        return torch.tensor(values, dtype=dtype, device=self.device)
+
+    def lens(self, v):
+        """A length as SGLang passes it: (device tensor, CPU tensor)."""
+        return self.dev([v]), torch.tensor([v], dtype=torch.int64)
+
     def page_up(self, n):
         return -(-n // self.ps) * self.ps
 
@@ -218,9 +242,8 @@ class Sim:
     def prefill_chunk(self, req):
         pre, end = req.sim_len, min(req.sim_target, req.sim_len + self.rng.choice([64, 96, 10**6]))
         last = (self.r2t.req_to_token[req.req_pool_idx, pre - 1:pre].to(torch.int64)
-                if pre else torch.tensor([-1], dtype=torch.int64))
-        t = lambda v: torch.tensor([v], dtype=torch.int64)
-        out = self.alloc.alloc_extend(t(pre), t(pre), t(end), t(end), last, end - pre)
+                if pre else self.dev([-1]))
+        out = self.alloc.alloc_extend(*self.lens(pre), *self.lens(end), last, end - pre)
         if out is None:
             raise Mismatch("alloc_extend failed after admission said yes")
         self.r2t.req_to_token[req.req_pool_idx, pre:end] = out.to(torch.int32)
@@ -266,17 +289,17 @@ class Sim:
             self.stats["retract_oom"] += 1
         if not batch:
             return
-        rpi = torch.tensor([r.req_pool_idx for r in batch], dtype=torch.int64)
-        seq = torch.tensor([r.sim_len for r in batch], dtype=torch.int64)
-        last = self.r2t.req_to_token[rpi, seq - 1].to(torch.int64)
-        out = self.alloc.alloc_decode(seq + 1, seq + 1, last)
+        rpi_cpu = torch.tensor([r.req_pool_idx for r in batch], dtype=torch.int64)
+        seq_cpu = torch.tensor([r.sim_len for r in batch], dtype=torch.int64) + 1
+        rpi, seq = rpi_cpu.to(self.device), seq_cpu.to(self.device)
+        last = self.r2t.req_to_token[rpi, seq - 2].to(torch.int64)
+        out = self.alloc.alloc_decode(seq, seq_cpu, last)
         if out is None:
             raise Mismatch("alloc_decode failed after check_decode_mem said yes")
-        self.r2t.req_to_token[rpi, seq] = out.to(torch.int32)
+        self.r2t.req_to_token[rpi, seq - 1] = out.to(torch.int32)
         for r in batch:
             r.kv_allocated_len = r.sim_len + 1
-        seq = seq + 1
-        self.coord.map_last_loc_to_buffer(seq, out, rpi, seq.clone(), rpi.clone())
+        self.coord.map_last_loc_to_buffer(seq, out, rpi, seq_cpu, rpi_cpu)
         for r, loc in zip(batch, out):
             self.write_kv(r, [r.sim_len], loc.view(1))
             r.sim_len += 1
@@ -290,7 +313,7 @@ class Sim:
     def check_swap_in(self, batch, rpi, seq):
         bs = len(batch)
         pad = self.rng.choice([0, 0, 1])  # CUDA-graph style padded rows
-        topk = torch.full((bs + pad, self.top_k), -1, dtype=torch.int32)
+        topk = torch.full((bs + pad, self.top_k), -1, dtype=torch.int32)  # filled on CPU
         for i, r in enumerate(batch):
             n = min(r.sim_len, self.top_k - self.rng.randint(0, 2))
             pool = list(range(r.sim_len))
@@ -299,24 +322,29 @@ class Sim:
                 pool = list(range(max(0, r.sim_len - 3 * self.hot), r.sim_len))
             sel = self.rng.sample(pool, min(n, len(pool)))
             topk[i, : len(sel)] = torch.tensor(sel, dtype=torch.int32)
-        rpi_p = torch.cat([rpi, torch.zeros(pad, dtype=torch.int64)])
-        seq_p = torch.cat([seq, torch.ones(pad, dtype=torch.int64)])
+        topk = topk.to(self.device)
+        rpi_p = torch.cat([rpi, self.dev([0] * pad)])
+        seq_p = torch.cat([seq, self.dev([1] * pad)])
         self.coord.num_real_reqs.fill_(bs)
+        self.coord.wait_for_pending_backup()  # as ModelRunner.forward does before a decode
         for layer in range(self.layers):
             before_lru = self.coord.lru_slots[layer].clone()
             out = self.coord.swap_in_selected_pages(rpi_p, seq_p, topk, layer)
             if pad and bool((out[bs:] != -1).any()):
                 raise Mismatch("padded row not -1")
             buf = self.pool.kv_buffer[layer]
+            out_rows, top_rows = out.tolist(), topk.tolist()
             for i, r in enumerate(batch):
                 idx, s = r.req_pool_idx, r.sim_len
-                sel = [t for t in topk[i].tolist() if t >= 0]
-                rows = out[i, : len(sel)].tolist()
-                if out[i, len(sel):].ne(-1).any():
+                sel = [t for t in top_rows[i] if t >= 0]
+                rows = out_rows[i][: len(sel)]
+                if any(x != -1 for x in out_rows[i][len(sel):]):
                     raise Mismatch(f"{r.rid}: output beyond selection not -1")
-                for t, row in zip(sel, rows):
-                    got = tuple(int(x) for x in buf[row, 0, :4].tolist())
-                    if row <= 0 or got != _kv_tag(r.sim_uid, t, layer):
+                if any(row <= 0 for row in rows):
+                    raise Mismatch(f"{r.rid} layer {layer}: unmapped row in {rows}")
+                held = buf[self.dev(rows), 0, :4].tolist() if rows else []
+                for t, row, got in zip(sel, rows, held):
+                    if tuple(int(x) for x in got) != _kv_tag(r.sim_uid, t, layer):
                         raise Mismatch(f"{r.rid} layer {layer} token {t}: row {row} holds {got}")
                 self.check_lru(r, layer, sel, s, before_lru[idx])
             self.stats["swap_checks"] += 1
@@ -413,8 +441,7 @@ class Sim:
             return False
         (idx,) = self.r2t.alloc([req])
         req.req_pool_idx = idx
-        t = lambda v: torch.tensor([v], dtype=torch.int64)
-        logical = self.alloc.alloc_logical_only(t(0), t(0), t(n), t(n), t(-1), n)
+        logical = self.alloc.alloc_logical_only(*self.lens(0), *self.lens(n), self.dev([-1]), n)
         if logical is None:
             raise Mismatch("alloc_logical_only failed after the budget said yes")
         self.r2t.req_to_token[idx, :n] = logical.to(torch.int32)
@@ -524,10 +551,14 @@ def main(argv=None) -> int:
                     help="staged requests may wait on host while prompts need the rows")
     ap.add_argument("--mode", choices=("colocated", "pd"), default="colocated",
                     help="pd: a PD decode node (prompt KV arrives on host; retraction keeps it)")
+    ap.add_argument("--device", default="cpu",
+                    help="cpu (torch reference swap-in) or cuda (the JIT kernel, real streams)")
+    ap.add_argument("--top-k", type=int, default=16)
+    ap.add_argument("--hot", type=int, default=128, help="hot buffer size B")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args(argv)
     sim = Sim(args.seed, residency=args.residency == "on", parking=args.parking == "on",
-              pd=args.mode == "pd")
+              pd=args.mode == "pd", device=args.device, top_k=args.top_k, hot=args.hot)
     error = None
     try:
         for _ in range(args.steps):
@@ -539,7 +570,7 @@ def main(argv=None) -> int:
     if args.verbose:
         print(f"swap-in: {sim.ref_name}; stats {sim.stats}; {sim.coord.get_hisparse_stats()}")
     verdict = "OK" if ok and error is None else "FAIL"
-    print(f"soak seed={args.seed} steps={args.steps} mode={args.mode} "
+    print(f"soak seed={args.seed} steps={args.steps} mode={args.mode} device={args.device} "
           f"residency={args.residency} parking={args.parking} {verdict}: "
           + ", ".join(parts)
           + (f"; {error}" if error else ""))
