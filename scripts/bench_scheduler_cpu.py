@@ -5,9 +5,10 @@ On the GPU server this Python runs on the scheduler thread every decode
 step; when it is longer than the GPU's step it is the step. Real SGLang
 0.5.13 pools on the CPU, N requests decoding; per step it times what the
 scheduler calls into our code: ``map_last_loc_to_buffer`` (write-through,
-growth, newest slot) and ``available_size()`` five times (admission and
-memory checks; the profiler counted 5.5 calls per step). Prints microseconds
-per step for hot-buffer requests (residency off) and resident ones:
+growth, newest slot) and ``available_size()`` five times (memory checks,
+pool stats, admission: an H200 profile counted 2.3 calls per step for a lone
+streamed request, more while prompts wait). Prints microseconds per step for
+hot-buffer requests (residency off) and resident ones:
 
     python scripts/bench_scheduler_cpu.py [--reqs 1,8,16] [--steps 300]
 """

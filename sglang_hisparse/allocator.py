@@ -254,9 +254,8 @@ class HiSparseDualAllocator(BaseTokenToKVPoolAllocator):
         residents gives back. One walk of the live requests for both."""
         provider = self._reservation_provider
         phys_owed, host_owed = provider() if provider is not None else (0, 0)
-        claims = self._prefill_claims
         physical = max(0, self.hisparse_attn_allocator.raw_available_size() - phys_owed
-                       - (sum(claims.values()) if claims else 0)) + self._reclaimable()
+                       - self.pending_prefill_claim()) + self._reclaimable()
         logical = self.logical_attn_allocator.raw_available_size()
         if self._host_pool is not None:
             logical = min(logical, max(0, self._host_pool.available_size() - host_owed))
