@@ -519,6 +519,24 @@ def _med(xs):
     return statistics.median(xs), (max(xs) - min(xs)) / 2
 
 
+def workload_limit(base_runs: list, out_tokens: int) -> Optional[dict]:
+    """Estimate the best output rate any scheduler could reach on a workload,
+    from base's own runs: the GPU prefills the prompts one after another, each
+    taking about as long as the first request's time to first token (the one
+    prefill that ran alone), and the request prefilled last still decodes its
+    other tokens one step at a time, each at least base's median decode step.
+    Decoding that overlaps prefill counts as free, so
+    n x first TTFT + (tokens - 1) x step bounds the wall time from below."""
+    ttft, _ = _med([min(q["ttft"] for q in r["requests"]) for r in base_runs if r.get("requests")])
+    step_ms, _ = _med([r.get("decode_step_ms") for r in base_runs])
+    n = max((len(r["requests"]) for r in base_runs), default=0)
+    if not ttft or not step_ms or not n:
+        return None
+    wall = n * ttft + (out_tokens - 1) * step_ms / 1e3
+    return {"output_tok_s": n * out_tokens / wall, "prompts": n, "first_ttft_s": ttft,
+            "step_ms": step_ms, "wall_s": wall}
+
+
 def summarize(results, configs, workloads, margin, tol) -> list[dict]:
     rows = []
     print("\nworkload    config  runs ok/err   out tok/s (median ± half-range)   TPOT ms   "
@@ -527,6 +545,7 @@ def summarize(results, configs, workloads, margin, tol) -> list[dict]:
         base_tps = _med([r.get("output_tok_s") for r in results.get("base", {}).get(w, [])])[0]
         base_tpot = _med([r.get("mean_tpot_ms") for r in results.get("base", {}).get(w, [])])[0]
         native_tps = _med([r.get("output_tok_s") for r in results.get("native", {}).get(w, [])])[0]
+        limit = workload_limit(results.get("base", {}).get(w, []), WORKLOADS[w][1])
         for c in configs:
             runs = results[c][w]
             tps, tps_s = _med([r.get("output_tok_s") for r in runs])
@@ -555,6 +574,8 @@ def summarize(results, configs, workloads, margin, tol) -> list[dict]:
                     "violations": sum(x["violations"] for x in cmp),
                     "max_abs_dlogprob": max((x["max_abs_dlogprob"] for x in cmp), default=None),
                 }
+            if limit:
+                row["tok_s_vs_limit"] = (tps or 0) / limit["output_tok_s"]
             rows.append(row)
             ex = row.get("exactness")
             print(f"{w:<11} {c:<7} {len(runs):>4} {n_ok:>3}/{n_err:<3}  "
@@ -565,6 +586,19 @@ def summarize(results, configs, workloads, margin, tol) -> list[dict]:
                   f"{row['max_running']}/{(row['mean_running'] or 0):.1f}   "
                   + (f"{ex['checked_steps']} steps, {ex['violations']} over {tol}, "
                      f"max {ex['max_abs_dlogprob']}" if ex else "-"), flush=True)
+        if limit:
+            shares = ", ".join(f"{c} {r['tok_s_vs_limit']:.2f}" for c in configs
+                               for r in rows[-len(configs):] if r["config"] == c)
+            print(f"{w:<11} limit   ~{limit['output_tok_s']:.1f} tok/s "
+                  f"(x{limit['output_tok_s'] / base_tps:.2f} base"
+                  + (f", x{limit['output_tok_s'] / native_tps:.2f} native" if native_tps else "")
+                  + f") = {limit['prompts']} prefills x {limit['first_ttft_s']:.3f} s + "
+                  f"{WORKLOADS[w][1] - 1} steps x {limit['step_ms']:.2f} ms; share of it: {shares}",
+                  flush=True)
+            rows.append({"workload": w, "config": "limit", **limit,
+                         "tok_s_vs_base": limit["output_tok_s"] / base_tps,
+                         "tok_s_vs_native": (limit["output_tok_s"] / native_tps
+                                             if native_tps else None)})
     return rows
 
 

@@ -1,6 +1,6 @@
 """The pure parts of the GPU scripts, on the CPU: how profile_decode.py
 reads a trace, how e2e_gpu.py turns step-timer snapshots into a workload's
-share, and the step-timer plugin itself. The next GPU session relies on
+share and estimates a workload's limit, and the step-timer plugin itself. The next GPU session relies on
 these numbers, so they are checked here rather than trusted on the device."""
 
 import gzip
@@ -211,3 +211,25 @@ def test_core_probe_and_sigterm_cleanup(tmp_path):
     proc.terminate()
     assert proc.wait(timeout=30) == 143
     assert marker.read_text() == "yes"
+
+
+def test_workload_limit_and_each_configs_share_of_it(capsys):
+    # 4 prompts of which the first prefilled alone in 0.1 s; base decodes at
+    # 2 ms a step: no scheduler finishes 4 x 10 tokens sooner than
+    # 4 x 0.1 s + 9 x 2 ms = 0.418 s, i.e. 40 / 0.418 = 95.7 tok/s.
+    e2e = _load("e2e_gpu", SCRIPTS / "e2e_gpu.py")
+    e2e.WORKLOADS["tiny"] = ([[100] * 4], 10, [])
+
+    def run(tok_s, ttfts):
+        reqs = [{"ttft": t, "output_ids": [1] * 10, "top2": [], "logprobs": []} for t in ttfts]
+        return {"requests": reqs, "errors": [], "output_tok_s": tok_s, "decode_step_ms": 2.0}
+
+    limit = e2e.workload_limit([run(50.0, [0.3, 0.1, 0.2, 0.4])], 10)
+    assert abs(limit["wall_s"] - 0.418) < 1e-9 and limit["prompts"] == 4
+    results = {"base": {"tiny": [run(50.0, [0.3, 0.1, 0.2, 0.4])]},
+               "ours": {"tiny": [run(80.0, [0.1, 0.2, 0.3, 0.4])]}}
+    rows = e2e.summarize(results, ["base", "ours"], ["tiny"], 0.05, 0.05)
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.startswith("tiny        limit   ~95.7 tok/s (x1.91 base) = 4 prefills x 0.100 s")
+    assert line.endswith("share of it: base 0.52, ours 0.84")
+    assert rows[-1]["config"] == "limit" and abs(rows[1]["tok_s_vs_limit"] - 80 / (40 / 0.418)) < 1e-9
