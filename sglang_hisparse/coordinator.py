@@ -342,10 +342,10 @@ class HiSparseCoordinator(ResidencyMixin, ParkingMixin, RetractToHostMixin):
 
     def _owed_tokens(self):
         """(physical, host) tokens live requests may still claim; see allocator.
-        The scheduler asks several times a step: one flat loop, no helpers."""
+        The scheduler asks several times a step: one loop, state read once."""
         phys = host = 0
-        P, ps = self.padded_buffer_size, self.page_size
-        cr = self.compress_ratio if self.is_dsv4_hisparse else 1
+        P = self.padded_buffer_size
+        page_up, host_tokens = self._page_up, self.host_token_len
         resident, parked = self._resident_rows, self._parked
         buffer_size, host_len = self._buffer_size_np, self._host_len_np
         for idx, req in self._live.items():
@@ -355,12 +355,12 @@ class HiSparseCoordinator(ResidencyMixin, ParkingMixin, RetractToHostMixin):
                 held = P  # claims rows only when it joins (checked then)
             elif getattr(req, "hisparse_staging", False):
                 # Rows it still holds from prefill, in this pool's units (C4 rows for V4).
-                held = -(-(req.fill_len // cr) // ps) * ps
+                held = page_up(host_tokens(req.fill_len))
             else:
                 held = int(buffer_size[idx])
             if held < P:
                 phys += P - held
-            need = -(-(req.kv_allocated_len // cr) // ps) * ps - int(host_len[idx])
+            need = page_up(host_tokens(req.kv_allocated_len)) - int(host_len[idx])
             if need > 0:
                 host += need
         return phys, host
