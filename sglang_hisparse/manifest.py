@@ -99,17 +99,17 @@ ENTRIES: tuple[Entry, ...] = (
             "0.5.13 checks only the model class, radix cache, KV dtype and DSA "
             "backend (with asserts). It accepts invalid --hisparse-config JSON, "
             "unknown keys, device_buffer_size < top_k, --enable-mixed-chunk, "
-            "speculative topk > 1 / adaptive, draft tokens beyond the newest-token "
-            "page and --pp-size > 1; these fail later, after weights load, or "
+            "speculative decoding (whose steps bypass the HiSparse data plane) "
+            "and --pp-size > 1; these fail later, after weights load, or "
             "corrupt KV. Ours rejects all of them in check_server_args, listing "
             "every problem in one ValueError."
         ),
         native_in=None,
         impl="sglang_hisparse.arg_hooks.validation:validate_hisparse",
         upstream=(
-            "0.5.23 srt/arg_groups/hisparse_hook.py:87-165 (mixed-chunk and "
-            "speculative topk/adaptive rules from 0.5.22; no config, PP or "
-            "draft-page rules)"
+            "0.5.23 srt/arg_groups/hisparse_hook.py:87-165 (mixed-chunk rule; "
+            "speculative decoding allowed with topk 1 from 0.5.22, when its "
+            "multi-token swap-in landed; no config or PP rules)"
         ),
         removal=(
             "keep: no release validates --hisparse-config at startup; on a pin "

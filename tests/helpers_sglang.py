@@ -35,9 +35,6 @@ REPORTED_FIELDS = (
     "kv_cache_dtype",
     "dsa_prefill_backend",
     "dsa_decode_backend",
-    "speculative_algorithm",
-    "speculative_eagle_topk",
-    "speculative_num_draft_tokens",
 )
 
 _RESULT_MARK = "SERVER_ARGS_RESULTS "

@@ -57,8 +57,6 @@ def cases_with_plugin(dirs) -> dict:
         "fp8": dsv32("--kv-cache-dtype", "fp8_e4m3",
                      *config({"device_buffer_size": 3072, "host_to_device_ratio": 4})),
         "explicit_top_k_equal_to_model": dsv32(*config({"top_k": 2048})),
-        "speculative_linear": dsv32(*EAGLE, "--speculative-num-steps", "3",
-                                    "--speculative-num-draft-tokens", "4"),
         "deepseek_v4": v4(),
         "hisparse_off": {"argv": ["--model-path", str(TINY_DSV32), "--device", "cuda",
                                   *config("{bad")]},
@@ -81,6 +79,8 @@ def cases_with_plugin(dirs) -> dict:
         "decode_backend_for_bf16": dsv32("--dsa-decode-backend", "tilelang"),
         "prefill_backend_for_fp8": dsv32("--kv-cache-dtype", "fp8_e4m3",
                                          "--dsa-prefill-backend", "flashmla_sparse"),
+        "speculative_linear": dsv32(*EAGLE, "--speculative-num-steps", "3",
+                                    "--speculative-num-draft-tokens", "4"),
         # SGLang rejects topk > 1 with page_size > 1 itself unless the attention
         # backend can draft trees over pages; triton can, so ours must catch it.
         "speculative_tree": dsv32("--attention-backend", "triton", "--speculative-algorithm",
@@ -91,13 +91,6 @@ def cases_with_plugin(dirs) -> dict:
                                                "--speculative-eagle-topk", "2",
                                                "--speculative-num-steps", "3",
                                                "--speculative-num-draft-tokens", "8"),
-        "speculative_adaptive": dsv32(*EAGLE, "--speculative-num-steps", "3",
-                                      "--speculative-num-draft-tokens", "4",
-                                      "--speculative-adaptive"),
-        "draft_tokens_beyond_page": dsv32(*EAGLE, "--speculative-num-steps", "63",
-                                          "--speculative-num-draft-tokens", "64"),
-        "draft_tokens_fill_page": dsv32(*EAGLE, "--speculative-num-steps", "62",
-                                        "--speculative-num-draft-tokens", "63"),
         "pipeline_parallel": dsv32("--pp-size", "2", "--disable-overlap-schedule"),
         "several_problems": {"argv": ["--model-path", str(TINY_DSV32), "--device", "cuda",
                                       "--enable-hisparse", "--enable-mixed-chunk",
@@ -176,18 +169,6 @@ def test_fp8_backends_and_explicit_sizes(ours):
 
 def test_explicit_top_k_equal_to_the_model_is_accepted(ours):
     assert ours["explicit_top_k_equal_to_model"]["ok"]
-
-
-def test_linear_speculation_is_accepted(ours):
-    result = ours["speculative_linear"]
-    assert result["ok"], result
-    assert result["fields"]["speculative_eagle_topk"] == 1
-
-
-def test_draft_tokens_may_fill_the_newest_token_page(ours):
-    result = ours["draft_tokens_fill_page"]
-    assert result["ok"], result
-    assert result["fields"]["speculative_num_draft_tokens"] == 63  # page_size 64 - 1
 
 
 def test_deepseek_v4_keeps_native_dtype_and_backend(ours):
@@ -270,21 +251,16 @@ def test_dsa_backend_must_read_the_hisparse_pool(ours):
              "got flashmla_sparse")
 
 
-def test_speculative_topk_must_be_one(ours):
-    rejected(ours["speculative_tree"], "needs --speculative-eagle-topk 1", "got 2")
+def test_speculative_decoding_is_rejected(ours):
+    # 0.5.13's draft and verify steps bypass the data plane: refused, linear
+    # drafts included, before any weight loads.
+    for case in ("speculative_linear", "speculative_tree"):
+        rejected(ours[case], "does not support speculative decoding (MTP/EAGLE) yet",
+                 "--speculative-algorithm must be unset, got EAGLE")
     # With the DSA attention backend SGLang already refuses topk > 1 on pages.
     native_first = ours["speculative_tree_native_first"]
     assert native_first["stage"] == "prepare_server_args"
     assert "page_size > 1" in native_first["error"]
-
-
-def test_adaptive_speculation_is_rejected(ours):
-    rejected(ours["speculative_adaptive"], "does not support --speculative-adaptive")
-
-
-def test_draft_tokens_must_fit_the_newest_token_page(ours):
-    rejected(ours["draft_tokens_beyond_page"],
-             "--speculative-num-draft-tokens <= page_size - 1 = 63", "got 64")
 
 
 def test_pipeline_parallelism_not_supported_yet(ours):
@@ -333,8 +309,7 @@ def _dsa_args(**changes):
         model_index_topk=2048, hisparse_config=None, disable_radix_cache=True,
         enable_mixed_chunk=False, pp_size=1, page_size=64, kv_cache_dtype="bfloat16",
         dsa_prefill_backend="flashmla_sparse", dsa_decode_backend="flashmla_sparse",
-        speculative_algorithm=None, speculative_eagle_topk=None,
-        speculative_num_draft_tokens=None, speculative_adaptive=False,
+        speculative_algorithm=None,
     )
     return replace(args, **changes)
 

@@ -55,9 +55,6 @@ class HiSparseServerArgs:
     dsa_prefill_backend: str | None
     dsa_decode_backend: str | None
     speculative_algorithm: str | None  # None: no speculative decoding
-    speculative_eagle_topk: int | None
-    speculative_num_draft_tokens: int | None
-    speculative_adaptive: bool
 
 
 def check_hisparse_server_args(args: HiSparseServerArgs) -> HiSparseConfig:
@@ -100,40 +97,19 @@ def find_problems(args: HiSparseServerArgs) -> tuple[list[str], HiSparseConfig |
             f"--enable-hisparse does not support pipeline parallelism yet: "
             f"--pp-size must be 1, got {args.pp_size}"
         )
+    # 0.5.13's MTP/EAGLE steps allocate, write and read KV on paths that never
+    # reach the HiSparse data plane: draft tokens get no row mapping and verify
+    # reads the logical page table through the mapping, so a request whose KV
+    # is on host would attend to rows it does not own. Refused until the data
+    # plane has a multi-token swap-in (upstream wired one in 0.5.22).
     if args.speculative_algorithm is not None:
-        problems += _speculative_problems(args)
+        problems.append(
+            f"--enable-hisparse does not support speculative decoding (MTP/EAGLE) yet: "
+            f"--speculative-algorithm must be unset, got {args.speculative_algorithm}"
+        )
     if args.model_family is ModelFamily.DSA:
         problems += _dsa_kv_problems(args)
     return problems, config
-
-
-def _speculative_problems(args: HiSparseServerArgs) -> list[str]:
-    problems = []
-    algo = args.speculative_algorithm
-    topk = args.speculative_eagle_topk
-    # Swap-in works on one chain of draft tokens per request: a draft tree
-    # (topk > 1, also NGRAM's BFS breadth) would need a hot buffer per branch.
-    if topk is not None and topk != 1:
-        problems.append(
-            f"--enable-hisparse with --speculative-algorithm {algo} needs "
-            f"--speculative-eagle-topk 1 (linear drafts only), got {topk}"
-        )
-    # The swap state is sized once for a fixed number of draft tokens.
-    if args.speculative_adaptive:
-        problems.append(
-            "--enable-hisparse does not support --speculative-adaptive; use a "
-            "fixed --speculative-num-steps"
-        )
-    # Draft tokens are written after the newest token, inside the one extra
-    # page the device buffer reserves for it; the newest token takes a slot.
-    drafts = args.speculative_num_draft_tokens
-    if drafts is not None and args.page_size is not None and drafts > args.page_size - 1:
-        problems.append(
-            f"--enable-hisparse needs --speculative-num-draft-tokens <= page_size - 1 "
-            f"= {args.page_size - 1} (draft tokens must fit the newest-token page), "
-            f"got {drafts}"
-        )
-    return problems
 
 
 def _dsa_kv_problems(args: HiSparseServerArgs) -> list[str]:

@@ -55,9 +55,6 @@ def hisparse_server_args(server_args) -> HiSparseServerArgs:
         dsa_prefill_backend=server_args.dsa_prefill_backend,
         dsa_decode_backend=server_args.dsa_decode_backend,
         speculative_algorithm=speculative_algorithm,
-        speculative_eagle_topk=server_args.speculative_eagle_topk,
-        speculative_num_draft_tokens=server_args.speculative_num_draft_tokens,
-        speculative_adaptive=bool(server_args.speculative_adaptive),
     )
 
 
