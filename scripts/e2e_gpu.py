@@ -587,8 +587,8 @@ def summarize(results, configs, workloads, margin, tol) -> list[dict]:
                   + (f"{ex['checked_steps']} steps, {ex['violations']} over {tol}, "
                      f"max {ex['max_abs_dlogprob']}" if ex else "-"), flush=True)
         if limit:
-            shares = ", ".join(f"{c} {r['tok_s_vs_limit']:.2f}" for c in configs
-                               for r in rows[-len(configs):] if r["config"] == c)
+            shares = ", ".join(f"{r['config']} {r['tok_s_vs_limit']:.2f}"
+                               for r in rows[-len(configs):])  # this workload's, in order
             print(f"{w:<11} limit   ~{limit['output_tok_s']:.1f} tok/s "
                   f"(x{limit['output_tok_s'] / base_tps:.2f} base"
                   + (f", x{limit['output_tok_s'] / native_tps:.2f} native" if native_tps else "")

@@ -311,8 +311,7 @@ class HiSparseCoordinator(ResidencyMixin, ParkingMixin, RetractToHostMixin):
         # and steps on the device: the decode path never syncs for it.
         self._tally = torch.zeros(2, dtype=torch.int64, device=device)
         self._tally_host = torch.zeros(2, dtype=torch.int64, pin_memory=self._tally.is_cuda)
-        self._tally_copy = None  # CUDA event recorded after each copy into _tally_host
-        self._tally_copy_pending = False  # a copy is in flight (its event not yet seen)
+        self._tally_copy = None  # CUDA event of the copy into _tally_host in flight
         self._tally_seen = [0, 0]
         self.host_bytes_written = 0
         self.host_bytes_read_staging = 0  # preload (direct admission)
@@ -397,15 +396,13 @@ class HiSparseCoordinator(ResidencyMixin, ParkingMixin, RetractToHostMixin):
         the decode step it overlaps with."""
         if not self._tally.is_cuda:
             return self._tally.tolist()
-        if self._tally_copy is None:
-            self._tally_copy = torch.cuda.Event()  # one event, recorded per copy
-        elif self._tally_copy_pending and self._tally_copy.query():
+        if self._tally_copy is not None and self._tally_copy.query():
             self._tally_seen = self._tally_host.tolist()
-            self._tally_copy_pending = False
-        if not self._tally_copy_pending:
+            self._tally_copy = None
+        if self._tally_copy is None:
             self._tally_host.copy_(self._tally, non_blocking=True)
+            self._tally_copy = torch.cuda.Event()
             self._tally_copy.record()
-            self._tally_copy_pending = True
         return list(self._tally_seen)
 
     def get_hisparse_stats(self) -> dict:
@@ -640,9 +637,9 @@ class HiSparseCoordinator(ResidencyMixin, ParkingMixin, RetractToHostMixin):
         self._grow_device_buffers(seq_list, idx_list)
         B = self.device_buffer_size
         keep = range(len(idx_list))
-        if self._resident_rows:
+        if resident:
             # Residents got their own rows above; the rest use the newest slot.
-            keep = [i for i, idx in enumerate(idx_list) if idx not in self._resident_rows]
+            keep = [i for i, idx in enumerate(idx_list) if idx not in resident]
             if not keep:
                 return
             sel = torch.tensor(keep, dtype=torch.int64, device=seq_lens.device)
