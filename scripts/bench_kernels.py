@@ -10,10 +10,14 @@ one graph), minus the same rounds without the call, timed with CUDA events;
 the median per call is shown.
 
 Columns: ours, ours with the host copies skipped (resolve cost alone),
-SGLang 0.5.13, SGLang 0.5.23 (with --upstream-0523 DIR), the bytes-moved
-lower bound max(bytes / H2D ceiling, 10 us), where the ceiling is a large
-pinned cudaMemcpyAsync measured in the same run, and the ratios
-ours / bound (target <= 1.18) and ours / best upstream (target <= 1).
+SGLang 0.5.13, SGLang 0.5.23 (with
+--upstream-0523 DIR), the bytes-moved lower bound max(bytes / H2D ceiling,
+10 us), where the ceiling is a large pinned cudaMemcpyAsync measured in the
+same run, "gather": the copy-only kernel replaying the miss plan ours
+recorded at that point (the same rows moved by SM loads with nothing to
+resolve: what any kernel of this kind pays for the bytes alone), and the
+ratios ours / bound (target <= 1.18), ours / gather and ours / best upstream
+(target <= 1).
 
 With --breakdown it then shows where our call's time goes at batch 1 and
 64, 0% and 100% miss: the kernel's own phase stamps, one block per request,
@@ -97,6 +101,10 @@ class World:
         self.slot_tokens = self.slot_tokens0.clone()
         self.lru = self.lru0.clone()
         self.gen = gen
+        # A recorded miss plan, replayed by the "gather" column.
+        self.miss_src = torch.zeros((max_bs, TOP_K), dtype=torch.int64, device="cuda")
+        self.miss_dst = torch.zeros((max_bs, TOP_K), dtype=torch.int32, device="cuda")
+        self.miss_count = torch.zeros(max_bs, dtype=torch.int32, device="cuda")
 
     def top_k(self, bs: int, miss: float) -> torch.Tensor:
         n_miss = round(miss * TOP_K)
@@ -214,14 +222,32 @@ def batch_inputs(bs: int):
 
 
 def ours(world: World, bs: int, top_k: torch.Tensor, out, num_real, seq_lens, reqs, *,
-         skip_io=False, blocks_per_req=None, block_size=None, probe=None, **residency):
+         skip_io=False, blocks_per_req=None, block_size=None, probe=None, **more):
+    """``more``: further swap_in keywords (residency, hash_scale, a miss plan)."""
     from sglang_hisparse.kernels import swap_in
 
     def call():
         swap_in(top_k, reqs, seq_lens, num_real, world.slot_tokens, world.slot_locs,
                 world.lru, world.host_locs, world.host_kv, world.device_kv, out,
                 skip_io=skip_io, blocks_per_req=blocks_per_req, block_size=block_size,
-                tally=world.tally, probe=probe, **residency)
+                tally=world.tally, probe=probe, **more)
+
+    return call
+
+
+def gather(world: World, bs: int, top_k, out, num_real, seq_lens, reqs, blocks_per_req=None):
+    """Records ours' miss plan for this point (from the restored state) and
+    returns a call that replays only its copies."""
+    from sglang_hisparse.kernels import copy_planned
+
+    world.restore()
+    ours(world, bs, top_k, out, num_real, seq_lens, reqs, blocks_per_req=blocks_per_req,
+         miss_src=world.miss_src[:bs], miss_dst=world.miss_dst[:bs], miss_count=world.miss_count[:bs])()
+    torch.cuda.synchronize()
+
+    def call():
+        copy_planned(world.miss_src[:bs], world.miss_dst[:bs], world.miss_count[:bs], num_real,
+                     world.host_kv, world.device_kv)
 
     return call
 
@@ -397,6 +423,8 @@ def prebuild(breakdown: bool) -> None:
     builds = [lambda s=skip, t=t: compile_variants(TOP_K, HOT, ITEM, record_plan=(False,), skip_io=(s,),
                                                    block_size=t, copy_planned=False)
               for skip, t in jobs]
+    builds.append(lambda: compile_variants(TOP_K, HOT, ITEM, record_plan=(True,), block_size=threads,
+                                           copy_planned=True))
     try:
         from sglang.jit_kernel.hisparse import _jit_sparse_module
 
@@ -493,7 +521,8 @@ def main(argv=None) -> int:
 
     rows = []
     header = (f"{'bs':>3} {'miss':>5} {'MB':>7} {'bound':>8} {'ours':>8} {'ours/noIO':>9} "
-              f"{'0.5.13':>8} {'0.5.23':>8} {'ours/bnd':>8} {'ours/up':>7} {'split':>5} check")
+              f"{'0.5.13':>8} {'0.5.23':>8} {'gather':>8} {'ours/bnd':>8} {'ours/gth':>8} "
+              f"{'ours/up':>7} {'split':>5} check")
     log(header)
     for bs in batches:
         reqs, seq_lens, num_real, out_a, out_b = batch_inputs(bs)
@@ -508,6 +537,11 @@ def main(argv=None) -> int:
             t_noio, _ = timer.median_us(
                 ours(world, bs, top_k, out_a, num_real, seq_lens, reqs, skip_io=True,
                      blocks_per_req=args.blocks_per_req), world.restore)
+            t_gather = None
+            if miss > 0:
+                t_gather, _ = timer.median_us(
+                    gather(world, bs, top_k, out_a, num_real, seq_lens, reqs, args.blocks_per_req),
+                    world.restore)
             t_13 = t_23 = None
             check = "-"
             if have_0513:
@@ -526,15 +560,18 @@ def main(argv=None) -> int:
             r_bound = t_ours / bound
             r_up = t_ours / best_up if best_up else None
             fmt = lambda t: f"{t:8.1f}" if t is not None else f"{'-':>8}"  # noqa: E731
+            r_gather = t_ours / t_gather if t_gather else None
             log(f"{bs:>3} {miss * 100:>4.0f}% {n_bytes / 1e6:>7.2f} {bound:>8.1f} {t_ours:>8.1f} "
-                f"{t_noio:>9.1f} {fmt(t_13)} {fmt(t_23)} {r_bound:>8.2f} "
+                f"{t_noio:>9.1f} {fmt(t_13)} {fmt(t_23)} {fmt(t_gather)} {r_bound:>8.2f} "
+                f"{(f'{r_gather:8.2f}' if r_gather else '       -')} "
                 f"{(f'{r_up:7.2f}' if r_up else '      -')} {split:>5} {check}"
                 + ("" if r_bound <= TARGET_RATIO else "  <-- over bound target")
                 + ("" if r_up is None or r_up <= 1.0 else "  <-- slower than upstream"))
             rows.append(dict(
                 batch=bs, miss=miss, bytes=n_bytes, bound_us=bound, ours_us=t_ours,
-                ours_skip_io_us=t_noio, sglang_0513_us=t_13, sglang_0523_us=t_23,
-                ours_over_bound=r_bound, ours_over_best_upstream=r_up,
+                ours_skip_io_us=t_noio, sglang_0513_us=t_13,
+                sglang_0523_us=t_23, gather_us=t_gather,
+                ours_over_bound=r_bound, ours_over_gather=r_gather, ours_over_best_upstream=r_up,
                 blocks_per_req=split, timing=mode, check_vs_0513=check,
             ))
     worst = max(r["ours_over_bound"] for r in rows)

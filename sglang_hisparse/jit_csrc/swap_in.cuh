@@ -38,6 +38,18 @@
 // late are not free here: they hold the block's memory queue, and the
 // shared-memory atomics of the resolve wait behind them (on an H200, reading
 // every candidate's host row index up front cost 0.7-3 us at 0% miss).
+//
+// Starting host reads before the resolve does not pay either (tried on an
+// H200, session 8). A shared-memory bitmap of the positions the slots hold
+// proves most misses right after the inserts, so each warp could start its
+// first host read ~4 us earlier at batch 1. Issued as register loads, those
+// reads stalled the rest of the resolve until the link had drained them
+// (~43 us at 100% miss). Issued as TMA bulk copies into per-warp shared
+// stages, the resolve ran on, but its global reads still waited behind them.
+// The net was at most ~1 us faster with misses and ~1 us slower at 0% miss
+// (batch 8: 10.9 vs 9.6 us), so neither is used. What bounds the miss-heavy
+// small-batch points is the gather itself: a copy-only replay of the same
+// rows (bench_kernels.py, "gather") moves them at ~87% of the DMA ceiling.
 #pragma once
 
 #include <sgl_kernel/tensor.h>
