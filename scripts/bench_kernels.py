@@ -10,14 +10,13 @@ one graph), minus the same rounds without the call, timed with CUDA events;
 the median per call is shown.
 
 Columns: ours, ours with the host copies skipped (resolve cost alone),
-SGLang 0.5.13, SGLang 0.5.23 (with
---upstream-0523 DIR), the bytes-moved lower bound max(bytes / H2D ceiling,
-10 us), where the ceiling is a large pinned cudaMemcpyAsync measured in the
-same run, "gather": the copy-only kernel replaying the miss plan ours
-recorded at that point (the same rows moved by SM loads with nothing to
-resolve: what any kernel of this kind pays for the bytes alone), and the
-ratios ours / bound (target <= 1.18), ours / gather and ours / best upstream
-(target <= 1).
+SGLang 0.5.13, SGLang 0.5.23 (with --upstream-0523 DIR), the bytes-moved
+lower bound max(bytes / H2D ceiling, 10 us), where the ceiling is a large
+pinned cudaMemcpyAsync measured in the same run, "gather": the copy-only
+kernel replaying the miss plan ours recorded at that point (the same rows
+moved by SM loads with nothing to resolve: what any kernel of this kind pays
+for the bytes alone), and the ratios ours / bound (target <= 1.18),
+ours / gather and ours / best upstream (target <= 1).
 
 With --breakdown it then shows where our call's time goes at batch 1 and
 64, 0% and 100% miss: the kernel's own phase stamps, one block per request,

@@ -9,14 +9,12 @@ Also checks the wrappers' argument validation, which needs neither.
 from __future__ import annotations
 
 import importlib
-from pathlib import Path
 import time
 
 import pytest
 import torch
 
 from sglang_hisparse import kernels
-from sglang_hisparse.kernels.swap_in import PROBE_EARLY_EXIT
 
 # the package re-exports a function named like the submodule
 swap_in_mod = importlib.import_module("sglang_hisparse.kernels.swap_in")
@@ -100,13 +98,15 @@ def test_probe_phases_mirror_the_kernel_enum():
     """PROBE_PHASES names struct Probe's phase slots in swap_in.cuh, in order."""
     import re
 
-    cuh = (Path(kernels.__file__).parent.parent / "jit_csrc" / "swap_in.cuh").read_text()
+    cuh = swap_in_mod.SWAP_IN_SOURCE.read_text()
     body = cuh[cuh.index("struct Probe {"):]
     body = body[: body.index("};")]
     slots = {re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower(): int(n)
              for name, n in re.findall(r"\bk(\w+) = (\d+),", body)}
     assert [slots[name] for name in kernels.PROBE_PHASES] == list(range(len(kernels.PROBE_PHASES)))
-    assert slots["early_exit"] == PROBE_EARLY_EXIT and slots["slots"] == 16
+    assert slots["early_exit"] == swap_in_mod.PROBE_EARLY_EXIT
+    assert (slots["grid_entry"], slots["grid_exit"]) == (swap_in_mod.PROBE_GRID_ENTRY, swap_in_mod.PROBE_GRID_EXIT)
+    assert slots["slots"] == swap_in_mod.PROBE_SLOTS
 
 
 def test_probe_phases_read_the_kernel_stamps():
@@ -118,9 +118,9 @@ def test_probe_phases_read_the_kernel_stamps():
     probe[14], probe[15] = 500, 20000
     got = kernels.probe_phases_us(probe)
     assert [got[name] for name in kernels.PROBE_PHASES[1:]] == [1.0] * (len(ns) - 1)
-    assert got["block0_total"] == len(ns) - 1 and got["grid_span"] == 19.5
+    assert got["block0_total"] == 10.0 and got["grid_span"] == 19.5
     assert got["block0_start_lag"] == 0.5
     early = kernels.new_probe("cpu")
-    early[0], early[PROBE_EARLY_EXIT], early[14], early[15] = 100, 2100, 100, 2600
+    early[0], early[11], early[14], early[15] = 100, 2100, 100, 2600
     got = kernels.probe_phases_us(early)
     assert got["early_exit"] == got["block0_total"] == 2.0 and got["grid_span"] == 2.5

@@ -40,7 +40,7 @@
 // every candidate's host row index up front cost 0.7-3 us at 0% miss).
 //
 // Starting host reads before the resolve does not pay either (tried on an
-// H200, session 8). A shared-memory bitmap of the positions the slots hold
+// H200). A shared-memory bitmap of the positions the slots hold
 // proves most misses right after the inserts, so each warp could start its
 // first host read ~4 us earlier at batch 1. Issued as register loads, those
 // reads stalled the rest of the resolve until the link had drained them
