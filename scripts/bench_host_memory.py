@@ -3,7 +3,7 @@
 
 The swap-in kernel reads each missed row (1152 B) straight from pinned host
 memory; rows are scattered over the whole pool. This prints, for each
-pinning mode of :mod:`sglang_hisparse.host_memory`, our kernel's median us
+pinning mode of :mod:`sglang_hisparse.pools.host_memory`, our kernel's median us
 per layer call (graph-timed, L2 flushed, as in bench_kernels.py) and the
 rate it reaches, next to the pinned cudaMemcpyAsync ceiling, all in one run:
 
@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import bench_kernels as bk  # noqa: E402
 
-from sglang_hisparse import host_memory  # noqa: E402
+from sglang_hisparse.pools import host_memory  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -222,14 +222,15 @@ def batch_inputs(bs: int):
 
 def ours(world: World, bs: int, top_k: torch.Tensor, out, num_real, seq_lens, reqs, *,
          skip_io=False, blocks_per_req=None, block_size=None, probe=None, **more):
-    """``more``: further swap_in keywords (residency, hash_scale, a miss plan)."""
-    from sglang_hisparse.kernels import swap_in
+    """``more``: further swap_in keywords (residency, hash_scale, a miss plan).
+    Without ``probe`` and ``hash_scale`` this is the serving variant."""
+    from sglang_hisparse.kernels.bench import swap_in_bench
 
     def call():
-        swap_in(top_k, reqs, seq_lens, num_real, world.slot_tokens, world.slot_locs,
-                world.lru, world.host_locs, world.host_kv, world.device_kv, out,
-                skip_io=skip_io, blocks_per_req=blocks_per_req, block_size=block_size,
-                tally=world.tally, probe=probe, **more)
+        swap_in_bench(top_k, reqs, seq_lens, num_real, world.slot_tokens, world.slot_locs,
+                      world.lru, world.host_locs, world.host_kv, world.device_kv, out,
+                      skip_io=skip_io, blocks_per_req=blocks_per_req, block_size=block_size,
+                      tally=world.tally, probe=probe, **more)
 
     return call
 
@@ -237,7 +238,7 @@ def ours(world: World, bs: int, top_k: torch.Tensor, out, num_real, seq_lens, re
 def gather(world: World, bs: int, top_k, out, num_real, seq_lens, reqs, blocks_per_req=None):
     """Records ours' miss plan for this point (from the restored state) and
     returns a call that replays only its copies."""
-    from sglang_hisparse.kernels import copy_planned
+    from sglang_hisparse.kernels.copy_planned import copy_planned
 
     world.restore()
     ours(world, bs, top_k, out, num_real, seq_lens, reqs, blocks_per_req=blocks_per_req,
@@ -403,36 +404,29 @@ def upstream_0523(module, world: World, bs, top_k, out, num_real, seq_lens, reqs
 # --------------------------------------------------------------------------
 
 
-def prebuild(breakdown: bool) -> None:
+def prebuild(breakdown: bool, hash_scales=()) -> None:
     """Builds every kernel the run will time, several at once: each build is
     an nvcc subprocess, so threads overlap them (0.5.23's build swaps the
-    loader's include path and runs alone afterwards)."""
-    from concurrent.futures import ThreadPoolExecutor
+    loader's include path and runs alone afterwards). Ours: serving, skip-IO,
+    plan recording (for the gather column) and the plan replay; with
+    --breakdown the probe and other block sizes; each --hash-scale, with and
+    without the probe."""
+    from sglang_hisparse.kernels.bench import compile_bench_variants
 
-    from sglang.jit_kernel.utils import get_jit_cuda_arch
+    def upstream():
+        try:
+            from sglang.jit_kernel.hisparse import _jit_sparse_module
+        except ImportError:
+            return
+        _jit_sparse_module(ITEM, 1024, TOP_K, HOT, is_mla=True, is_dsv4_layout=False)
 
-    from sglang_hisparse.kernels import compile_variants, default_block_size
-
-    # Set once, so the loader's per-build set/restore of it cannot race.
-    os.environ.setdefault("TVM_FFI_CUDA_ARCH_LIST", get_jit_cuda_arch().target_name)
-    threads = default_block_size(HOT)
-    jobs = [(False, threads), (True, threads)]
+    jobs = [dict(), dict(skip_io=(True,)), dict(record_plan=(True,)),
+            dict(record_plan=(), copy_planned=True)]
     if breakdown:
-        jobs += [(False, t) for t in (256, 512) if t != threads]
-    builds = [lambda s=skip, t=t: compile_variants(TOP_K, HOT, ITEM, record_plan=(False,), skip_io=(s,),
-                                                   block_size=t, copy_planned=False)
-              for skip, t in jobs]
-    builds.append(lambda: compile_variants(TOP_K, HOT, ITEM, record_plan=(True,), block_size=threads,
-                                           copy_planned=True))
-    try:
-        from sglang.jit_kernel.hisparse import _jit_sparse_module
-
-        builds.append(lambda: _jit_sparse_module(ITEM, 1024, TOP_K, HOT, is_mla=True, is_dsv4_layout=False))
-    except ImportError:
-        pass
-    with ThreadPoolExecutor(len(builds)) as pool:
-        for f in [pool.submit(b) for b in builds]:
-            f.result()
+        jobs += [dict(probe=(True,))] + [dict(block_size=t) for t in (256, 512)]
+    for r in hash_scales:
+        jobs += [dict(hash_scale=r), dict(hash_scale=r, probe=(True,))]
+    compile_bench_variants(TOP_K, HOT, ITEM, jobs=jobs, also=[upstream])
 
 
 def same_state(world: World, ours_fn, up_fn, out_a, out_b) -> str:
@@ -480,18 +474,10 @@ def main(argv=None) -> int:
     log(f"pinned H2D ceiling (cudaMemcpyAsync, 512 MiB): {ceiling:.1f} GB/s")
 
     world = World(max(batches))
-    prebuild(args.breakdown)
+    variants = [int(x) for x in args.hash_scale.split(",")] if args.hash_scale else []
+    prebuild(args.breakdown, variants)
     scale_rows = []
-    if args.hash_scale:
-        variants = [int(x) for x in args.hash_scale.split(",")]
-        from concurrent.futures import ThreadPoolExecutor
-
-        from sglang_hisparse.kernels import compile_variants
-
-        with ThreadPoolExecutor(len(variants)) as pool:
-            for f in [pool.submit(compile_variants, TOP_K, HOT, ITEM, record_plan=(False,),
-                                  copy_planned=False, hash_scale=r) for r in variants]:
-                f.result()
+    if variants:
         log(f"hash scales {variants} (graph-timed us; [state vs x{variants[0]}]):")
         scale_rows = compare_hash_scales(world, timer, variants, batches, misses)
         if args.hash_scale_only:
@@ -516,7 +502,7 @@ def main(argv=None) -> int:
         have_0513 = False
         log(f"SGLang 0.5.13 kernel unavailable: {e}")
 
-    from sglang_hisparse.kernels import default_block_size, default_blocks_per_req
+    from sglang_hisparse.kernels import DEFAULT_BLOCK_SIZE, default_blocks_per_req
 
     rows = []
     header = (f"{'bs':>3} {'miss':>5} {'MB':>7} {'bound':>8} {'ours':>8} {'ours/noIO':>9} "
@@ -526,7 +512,7 @@ def main(argv=None) -> int:
     for bs in batches:
         reqs, seq_lens, num_real, out_a, out_b = batch_inputs(bs)
         split = args.blocks_per_req or default_blocks_per_req(
-            torch.device("cuda"), bs, TOP_K, default_block_size(HOT))
+            torch.device("cuda"), bs, TOP_K, DEFAULT_BLOCK_SIZE)
         for miss in misses:
             top_k = world.top_k(bs, miss)
             n_bytes = bs * round(miss * TOP_K) * ITEM

@@ -32,8 +32,8 @@ import torch  # noqa: E402
 
 def run(n_reqs: int, steps: int, residency: bool, prompt: int = 600) -> float:
     from dataplane_fixtures import PS, dsa_pool, make_req, prefill, req_pool, t64
-    from sglang_hisparse.allocator import HiSparseDualAllocator
-    from sglang_hisparse.coordinator import HiSparseCoordinator
+    from sglang_hisparse.pools.allocator import HiSparseDualAllocator
+    from sglang_hisparse.adapter.model_runner import HiSparseCoordinator
 
     hot, top_k = 256, 64
     phys = n_reqs * (prompt + steps + 2 * PS) + 4 * PS

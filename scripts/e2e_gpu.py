@@ -17,6 +17,19 @@ Configurations:
           invalid, timing valid; "ours / noio" is what host IO costs)
   stock   0.5.13 as shipped, plugin not loaded (expected to crash at the
           first decode step)
+  ref     ours from another copy of the package (--ref-pkg DIR: a
+          ``pip install --no-deps --target DIR`` of, e.g., an earlier commit),
+          for before/after comparisons in one run; DIR goes first on the
+          server's PYTHONPATH and every entry holding this package is dropped
+
+Servers start in an empty directory, not the caller's: ``python -m`` puts
+the working directory first on sys.path, so a server started from the
+checkout would import the checkout's sglang_hisparse whatever PYTHONPATH
+says (and a ``*.egg-info`` left there would load the plugin into base).
+The package must be importable from PYTHONPATH (or site-packages), e.g. the
+``pip install --no-deps --no-index --target "$TMPDIR/proj" .`` that
+.gpu/README.md describes; each configuration's import origin is printed and
+written to the JSON before the first launch.
 
 Workloads:
   smoke       600, 3000, 9000 tokens, then a concurrent 7000/8500 pair
@@ -24,6 +37,31 @@ Workloads:
   capacity    16 x 16000-token prompts x 128 output tokens sent at once,
               --max-total-tokens 40000
   lone        one 16000-token prompt, 256 output tokens
+  deep        4 concurrent 12000-token prompts x 64 output tokens,
+              --max-total-tokens 60000, CUDA graphs up to batch 4: sized for
+              the 61-layer DeepSeek-V3.2-geometry model (31 GB of bf16
+              weights; pass --hisparse-config with host_to_device_ratio 2 so
+              the pinned host pool stays ~9 GiB)
+
+--model takes a model directory holding only config.json (the kit's
+.gpu/tiny-dsv32, or one written by scripts/model_config.py): every server
+gets ``--load-format dummy --skip-tokenizer-init`` and is sent input_ids, so
+no weights or tokenizer are read (the kit's testweights plugin, on
+PYTHONPATH after ``source .gpu/device_env.sh``, re-draws the dummy weights
+with a usable scale). The prompts draw token ids below 32768, the kit
+config's vocabulary.
+
+--check sets SGLANG_HISPARSE_CHECK=1 in every HiSparse server: the server
+compares what each swap-in leaves in the hot buffer with the host copy and
+adds ``#exact checked: N, #exact mismatch: M`` (cumulative, one log interval
+behind) to its decode log line, and logs ``HiSparse exactness check: first
+mismatch ...`` once. After each launch's workloads a short request flushes
+the counters; the last ones, whether a first-mismatch line appeared and the
+last ``#hisparse miss:`` counter (proof that host reads happened) are
+tabulated per launch and written to the JSON's "launches". ours and nopark
+must come out exact, noio (copies skipped: a planted fault) must show
+mismatches, and a launch that checked nothing fails; the exit status is 1
+when any of them does not hold.
 
 --step-timer loads scripts/steptimer (a diagnostic SGLang plugin, not part
 of the package) into each server and prints, per workload, each scheduler
@@ -47,6 +85,15 @@ margin exceeds --margin; such steps must agree within --tol.
 
     python scripts/e2e_gpu.py --configs base,ours --workloads smoke,concurrent \
         --repeats 1 --model .gpu/tiny-dsv32 --out results.json
+    python scripts/e2e_gpu.py --configs base,ref,ours --ref-pkg .bundle/ref_pkg \
+        --workloads capacity,lone --repeats 2
+    python scripts/e2e_gpu.py --configs ours,noio --workloads concurrent --check --warmup 0
+    python scripts/model_config.py --geometry v32 --layers 61 --out /tmp/dsv32-61
+    python scripts/e2e_gpu.py --model /tmp/dsv32-61 --configs ours --workloads deep --check \
+        --warmup 0 --server-args "--mem-fraction-static 0.45" \
+        --hisparse-config '{"top_k": 2048, "device_buffer_size": 4096, "host_to_device_ratio": 2}'
+
+scripts/gpu_foundation.sh runs these as stages of one device command.
 """
 
 from __future__ import annotations
@@ -76,15 +123,52 @@ WORKLOADS = {
     "capacity": ([[16000] * 16], 128, ["--max-total-tokens", "40000"]),
     # Same server flags as capacity, so both run on one launch per config.
     "lone": ([[16000]], 256, ["--max-total-tokens", "40000"]),
+    # The 61-layer V3.2-geometry model: 4 x 12064 tokens overflow 3 hot
+    # buffers of 4160 rows each; only 4 requests, so no larger graphs.
+    "deep": ([[12000] * 4], 64, ["--max-total-tokens", "60000", "--cuda-graph-max-bs", "4"]),
 }
+
+CONFIGS = ("base", "native", "ours", "nopark", "noio", "stock", "ref")
+# Configurations whose server runs this work tree's data plane, and what
+# --check must find in them: noio skips the host copies, a planted fault.
+CHECK_EXPECT = {"ours": "exact", "nopark": "exact", "noio": "mismatch"}
+CHECK_ENV = "SGLANG_HISPARSE_CHECK"
 
 
 STEP_TIMER_DIR = Path(__file__).resolve().parent / "steptimer"
 
 
+def has_package(entry: str) -> bool:
+    """Whether a sys.path entry provides sglang_hisparse (the package or its metadata)."""
+    d = Path(entry)
+    return ((d / "sglang_hisparse" / "__init__.py").exists()
+            or any(d.glob("sglang_hisparse-*.dist-info"))
+            or any(d.glob("sglang_hisparse*.egg-info")))
+
+
+def check_ref_pkg(ref_pkg: str) -> str:
+    """--ref-pkg must be a ``pip install --target`` folder: the package and
+    the metadata whose entry point SGLang's load_plugins() finds."""
+    d = Path(ref_pkg).resolve()
+    if not (d / "sglang_hisparse" / "__init__.py").exists():
+        raise ValueError(f"--ref-pkg {ref_pkg}: no sglang_hisparse/__init__.py in it")
+    eps = [p for p in d.glob("sglang_hisparse-*.dist-info/entry_points.txt")
+           if "sglang.srt.plugins" in p.read_text()]
+    if not eps:
+        raise ValueError(f"--ref-pkg {ref_pkg}: no sglang_hisparse-*.dist-info with a "
+                         "sglang.srt.plugins entry point (install it with pip --target)")
+    return str(d)
+
+
 def server_cmd(model: str, port: int, config: str, extra: list[str],
                step_timer_out: Optional[Path] = None,
-               step_profile: bool = False) -> tuple[list[str], dict]:
+               step_profile: bool = False, hs_config: Optional[dict] = None,
+               ref_pkg: Optional[str] = None, check: bool = False,
+               server_args: Optional[list[str]] = None) -> tuple[list[str], dict]:
+    if config not in CONFIGS:
+        raise ValueError(f"unknown configuration {config!r}; allowed: {', '.join(CONFIGS)}")
+    if config == "ref" and not ref_pkg:
+        raise ValueError("configuration 'ref' needs --ref-pkg DIR")
     env = dict(os.environ)
     if step_timer_out is not None:
         # scripts/steptimer is a diagnostic SGLang plugin (see its docstring).
@@ -106,11 +190,19 @@ def server_cmd(model: str, port: int, config: str, extra: list[str],
         # lengthens every launch.
         "--cuda-graph-max-bs", "32",
     ]
+    extra = list(extra) + list(server_args or [])  # later flags win in SGLang's argparse
     if "--max-total-tokens" not in extra:
         args += ["--max-total-tokens", "131072"]
     args += extra
     if config != "base":
-        args += ["--enable-hisparse", "--hisparse-config", json.dumps(HS_CONFIG)]
+        args += ["--enable-hisparse", "--hisparse-config", json.dumps(hs_config or HS_CONFIG)]
+    if check and config not in ("base", "stock"):
+        env[CHECK_ENV] = "1"
+    if config == "ref":
+        # The other copy first; no entry that would give this work tree's
+        # package (or its entry point) instead.
+        kept = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and not has_package(p)]
+        env["PYTHONPATH"] = os.pathsep.join([ref_pkg] + kept)
     if config == "native":
         env["SGLANG_HISPARSE_NATIVE"] = "1"
     if config == "noio":
@@ -185,15 +277,56 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+_SERVER_CWD: Optional[str] = None
+
+
+def server_cwd() -> str:
+    """An empty directory to start servers in (see the module docstring)."""
+    global _SERVER_CWD
+    if _SERVER_CWD is None:
+        import atexit
+        import shutil
+        import tempfile
+
+        _SERVER_CWD = tempfile.mkdtemp(prefix="e2e_server_cwd_")
+        atexit.register(shutil.rmtree, _SERVER_CWD, True)
+    return _SERVER_CWD
+
+
+_ORIGIN_PROBE = (
+    "import importlib.util as u, importlib.metadata as m\n"
+    "s = u.find_spec('sglang_hisparse')\n"
+    "try:\n"
+    "    d = m.distribution('sglang-hisparse'); v = d.version\n"
+    "except m.PackageNotFoundError:\n"
+    "    v = None\n"
+    "eps = [e.value for e in m.entry_points(group='sglang.srt.plugins') if e.name == 'sglang_hisparse']\n"
+    "print(repr((s.origin if s else None, v, eps[0] if eps else None)))\n")
+
+
+def package_origin(env: dict) -> dict:
+    """Where a server with ``env`` imports sglang_hisparse from, its
+    distribution's version and the plugin entry point it would load."""
+    out = subprocess.run([sys.executable, "-c", _ORIGIN_PROBE], env=env, cwd=server_cwd(),
+                         capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        return {"error": out.stderr.strip()[-300:]}
+    import ast
+
+    origin, version, ep = ast.literal_eval(out.stdout.strip().splitlines()[-1])
+    return {"origin": origin, "version": version, "entry_point": ep}
+
+
 class Server:
     def __init__(self, model, port, config, extra, log_path, step_timer_out=None, cpus=None,
-                 step_profile=False):
-        cmd, env = server_cmd(model, port, config, extra, step_timer_out, step_profile)
+                 step_profile=False, **opts):
+        cmd, env = server_cmd(model, port, config, extra, step_timer_out, step_profile, **opts)
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, preexec_fn=pin_to(cpus))
+                                     start_new_session=True, preexec_fn=pin_to(cpus),
+                                     cwd=server_cwd())
 
     def wait_ready(self, timeout=420):
         t0 = time.time()
@@ -308,8 +441,34 @@ def run_workload(url: str, name: str, seed0: int = 0) -> dict:
     return res
 
 
+def flush_counters(url: str) -> None:
+    """A short request after the workloads: its decode log lines carry the
+    counters of the steps before them (they trail by one interval)."""
+    try:
+        stream_generate(url, make_ids(600, 4242), 16, timeout=120)
+        time.sleep(0.5)
+    except Exception as exc:
+        print(f"counter flush request failed: {exc!r}", flush=True)
+
+
 _RUNNING = re.compile(r"Decode batch.*?#running-req: (\d+)")
 _DECODE = re.compile(r"Decode batch.*?#running-req: (\d+).*?gen throughput \(token/s\): ([\d.]+)")
+
+
+_EXACT = re.compile(r"#exact checked: (\d+)[,;]?\s*#exact mismatch: (\d+)")
+FIRST_MISMATCH = "HiSparse exactness check: first mismatch"
+
+
+def exact_counters(text: str) -> dict:
+    """The exactness check's last cumulative counters in a log (None where
+    the server printed none) and its first-mismatch line, if any."""
+    pairs = _EXACT.findall(text)
+    first = next((line.strip() for line in text.splitlines() if FIRST_MISMATCH in line), None)
+    return {
+        "exact_checked": int(pairs[-1][0]) if pairs else None,
+        "exact_mismatch": int(pairs[-1][1]) if pairs else None,
+        "exact_first_mismatch": first[first.index(FIRST_MISMATCH):][:500] if first else None,
+    }
 
 
 def log_stats(log_path: Path, since: int) -> dict:
@@ -330,7 +489,52 @@ def log_stats(log_path: Path, since: int) -> dict:
         "hisparse_hit_rate": float(hit_rate[-1]) if hit_rate else None,
         "hisparse_host_read_mib": float(read_mib[-1]) if read_mib else None,
         "crashed": "Traceback" in text,
+        **exact_counters(text),
     }
+
+
+def check_verdict(config: str, stats: dict) -> dict:
+    """What --check found in one launch of ``config`` (its log_stats from
+    the start of the log) against what that configuration must show."""
+    expect = CHECK_EXPECT.get(config)
+    checked, bad = stats.get("exact_checked"), stats.get("exact_mismatch")
+    first = stats.get("exact_first_mismatch") is not None
+    if expect is None:
+        verdict, ok = "n/a", None  # not this work tree's data plane
+    elif not checked:
+        verdict, ok = "NOT CHECKED", False  # the server printed no counters, or 0
+    elif expect == "exact":
+        ok = not bad and not first
+        verdict = "exact" if ok else "MISMATCH"
+    else:
+        ok = bool(bad) or first
+        verdict = "caught" if ok else "MISSED"
+    return {"expect": expect, "verdict": verdict, "check_ok": ok,
+            "host_misses_seen": bool(stats.get("hisparse_misses"))}
+
+
+def summarize_checks(launches: list[dict]) -> list[dict]:
+    """Print and return one row per launch run with --check."""
+    rows = [x for x in launches if x.get("check")]
+    if not rows:
+        return []
+    print("\nexactness check (SGLANG_HISPARSE_CHECK=1; cumulative per launch, one decode log "
+          "interval behind)")
+    print(f"{'config':<7} {'rep':>3}  {'workloads':<18} {'checked':>10} {'mismatch':>9}  "
+          f"{'first-mismatch line':<19} {'#hisparse miss':>14}  verdict")
+    for x in rows:
+        v = x.get("verdict") or "n/a"
+        note = "" if x.get("host_misses_seen") or x.get("expect") is None else \
+            " (no host misses: host reads untested)"
+        print(f"{x['config']:<7} {x['rep']:>3}  {','.join(x['workloads']):<18} "
+              f"{x.get('exact_checked') if x.get('exact_checked') is not None else '-':>10} "
+              f"{x.get('exact_mismatch') if x.get('exact_mismatch') is not None else '-':>9}  "
+              f"{'yes' if x.get('exact_first_mismatch') else 'no':<19} "
+              f"{x.get('hisparse_misses') if x.get('hisparse_misses') is not None else '-':>14}  "
+              f"{v}{note}", flush=True)
+        if x.get("exact_first_mismatch"):
+            print(f"        {x['exact_first_mismatch'][:300]}", flush=True)
+    return rows
 
 
 def compare(base: dict, other: dict, margin: float, tol: float) -> dict:
@@ -386,10 +590,42 @@ def main() -> int:
                     help="run every server on these cores: '0,2,8,9' or 'fastest:N' (implies --cpu-probe)")
     ap.add_argument("--baseline-json", default=None,
                     help="take the base runs from an earlier e2e JSON instead of launching base")
+    ap.add_argument("--ref-pkg", default=None, metavar="DIR",
+                    help="configuration 'ref': the package installed at DIR (pip install --no-deps "
+                         "--target DIR) instead of this work tree's, e.g. an earlier commit")
+    ap.add_argument("--check", action="store_true",
+                    help=f"{CHECK_ENV}=1 in every HiSparse server; tabulate its counters per launch "
+                         "(exit 1 unless ours/nopark are exact and noio shows mismatches)")
+    ap.add_argument("--hisparse-config", default=None, metavar="JSON",
+                    help=f"--hisparse-config for the HiSparse servers (default {json.dumps(HS_CONFIG)})")
+    ap.add_argument("--server-args", default="",
+                    help="extra sglang.launch_server flags for every launch, one shell-quoted "
+                         "string (after the workload's own; the last of a repeated flag wins)")
     args = ap.parse_args()
     args.step_timer = args.step_timer or args.step_profile
     if args.merge:
         return merge(args)
+    configs = args.configs.split(",")
+    workloads = args.workloads.split(",")
+    bad = [c for c in configs if c not in CONFIGS] + [w for w in workloads if w not in WORKLOADS]
+    if bad:
+        ap.error(f"unknown configuration or workload {bad}; configurations: {', '.join(CONFIGS)}; "
+                 f"workloads: {', '.join(WORKLOADS)}")
+    if "ref" in configs:
+        if not args.ref_pkg:
+            ap.error("--configs ref needs --ref-pkg DIR")
+        try:
+            args.ref_pkg = check_ref_pkg(args.ref_pkg)
+        except ValueError as exc:
+            ap.error(str(exc))
+    hs_config = json.loads(args.hisparse_config) if args.hisparse_config else None
+    import shlex
+
+    opts = {"hs_config": hs_config, "ref_pkg": args.ref_pkg, "check": args.check,
+            "server_args": shlex.split(args.server_args)}
+    # A config directory given relative to here must still be found from the
+    # servers' own (empty) working directory.
+    model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
     exit_on_sigterm()
     Path(args.logs).mkdir(parents=True, exist_ok=True)
     env: dict = {}
@@ -400,9 +636,17 @@ def main() -> int:
     if cpus:
         env["cpus"] = sorted(cpus)
         print(f"servers run on cores {sorted(cpus)}", flush=True)
-    configs = args.configs.split(",")
-    workloads = args.workloads.split(",")
+    env["model"] = model
+    env["package"] = {}
+    for cfg in configs:
+        _, senv = server_cmd(model, args.port, cfg, [], **opts)
+        env["package"][cfg] = package_origin(senv)
+        print(f"[{cfg}] sglang_hisparse from {env['package'][cfg]}", flush=True)
+    if "ref" in configs and not str(env["package"]["ref"].get("origin", "")).startswith(args.ref_pkg):
+        print(f"--ref-pkg {args.ref_pkg} is not what the ref server would import", flush=True)
+        return 2
     results: dict = {c: {w: [] for w in workloads} for c in configs}
+    launches: list[dict] = []
     # Workloads with their own server flags get their own launches.
     by_flags: dict[tuple, list[str]] = {}
     for w in workloads:
@@ -413,10 +657,13 @@ def main() -> int:
                 log = Path(args.logs) / f"server_{cfg}_{ws[0]}_{rep}.log"
                 timer_out = (Path(args.logs) / f"steptimer_{cfg}_{ws[0]}_{rep}"
                              if args.step_timer else None)
-                srv = Server(args.model, args.port, cfg, list(flags), log, timer_out, cpus,
-                             step_profile=args.step_profile)
+                srv = Server(model, args.port, cfg, list(flags), log, timer_out, cpus,
+                             step_profile=args.step_profile, **opts)
+                launch = {"config": cfg, "rep": rep, "workloads": ws, "log": log.name,
+                          "check": args.check}
                 try:
                     ready = srv.wait_ready()
+                    launch["ready_s"] = ready
                     print(f"[{cfg} rep{rep}] ready in {ready:.0f}s", flush=True)
                     for w in (ws if args.warmup else []):
                         # The first batch after launch pays one-time costs (JIT
@@ -440,9 +687,14 @@ def main() -> int:
                               f"tpot {r['mean_tpot_ms']}, ttft {r['median_ttft_s']} s, "
                               f"step {r['decode_step_ms']} ms, running max {r['max_running']}, "
                               f"hisparse misses {r['hisparse_misses']} (hit rate "
-                              f"{r['hisparse_hit_rate']}, host read {r['hisparse_host_read_mib']} MiB)",
+                              f"{r['hisparse_hit_rate']}, host read {r['hisparse_host_read_mib']} MiB)"
+                              + (f", exact checked {r['exact_checked']} mismatch {r['exact_mismatch']}"
+                                 if args.check else ""),
                               flush=True)
+                    if args.check:
+                        flush_counters(srv.url)
                 except Exception as exc:
+                    launch["error"] = repr(exc)
                     print(f"[{cfg} rep{rep}] FAILED: {exc!r}", flush=True)
                     for w in ws:
                         done = sum(1 for _ in results[cfg][w])
@@ -452,8 +704,13 @@ def main() -> int:
                                                     **log_stats(log, 0)})
                 finally:
                     srv.stop()
+                    launch.update(log_stats(log, 0))
+                    if args.check:
+                        launch.update(check_verdict(cfg, launch))
+                    launches.append(launch)
                 # What is done so far survives a later launch being cut off.
-                Path(args.out).write_text(json.dumps({"partial": True, "env": env, "runs": results}, indent=1))
+                Path(args.out).write_text(json.dumps({"partial": True, "env": env, "runs": results,
+                                                      "launches": launches}, indent=1))
     if args.baseline_json and "base" not in configs:
         earlier = json.loads(Path(args.baseline_json).read_text())["runs"]["base"]
         results["base"] = {w: earlier.get(w, []) for w in workloads}
@@ -461,8 +718,11 @@ def main() -> int:
     summary = summarize(results, configs, workloads, args.margin, args.tol)
     if args.step_timer:
         print_step_timer(results, configs, workloads)
-    Path(args.out).write_text(json.dumps({"summary": summary, "env": env, "runs": results}, indent=1))
-    return 0 if all(s.get("ok", True) for s in summary) else 1
+    checks = summarize_checks(launches)
+    Path(args.out).write_text(json.dumps({"summary": summary, "env": env, "runs": results,
+                                          "launches": launches, "checks": checks}, indent=1))
+    failed_checks = [c for c in checks if c.get("check_ok") is False]
+    return 1 if failed_checks or not all(s.get("ok", True) for s in summary) else 0
 
 
 def print_step_timer(results, configs, workloads) -> None:
@@ -497,18 +757,23 @@ def merge(args) -> int:
     """Concatenate the runs of several e2e JSON files (e.g. two rounds of
     launches made by separate commands) and summarize them as one."""
     results: dict = {}
+    launches: list = []
     for path in args.merge:
-        for cfg, by_w in json.loads(Path(path).read_text())["runs"].items():
+        data = json.loads(Path(path).read_text())
+        for cfg, by_w in data["runs"].items():
             for w, runs in by_w.items():
                 results.setdefault(cfg, {}).setdefault(w, []).extend(runs)
-    order = [c for c in ("base", "native", "ours", "noio", "stock") if c in results]
+        launches += [dict(x, source=str(path)) for x in data.get("launches", [])]
+    order = [c for c in ("base", "native", "ref", "ours", "nopark", "noio", "stock") if c in results]
     configs = order + [c for c in results if c not in order]
     workloads = sorted({w for by_w in results.values() for w in by_w})
     for c in configs:
         for w in workloads:
             results[c].setdefault(w, [])
     summary = summarize(results, configs, workloads, args.margin, args.tol)
-    Path(args.out).write_text(json.dumps({"summary": summary, "runs": results}, indent=1))
+    checks = summarize_checks(launches)
+    Path(args.out).write_text(json.dumps({"summary": summary, "runs": results,
+                                          "launches": launches, "checks": checks}, indent=1))
     return 0
 
 
@@ -545,6 +810,8 @@ def summarize(results, configs, workloads, margin, tol) -> list[dict]:
         base_tps = _med([r.get("output_tok_s") for r in results.get("base", {}).get(w, [])])[0]
         base_tpot = _med([r.get("mean_tpot_ms") for r in results.get("base", {}).get(w, [])])[0]
         native_tps = _med([r.get("output_tok_s") for r in results.get("native", {}).get(w, [])])[0]
+        ref_tps = _med([r.get("output_tok_s") for r in results.get("ref", {}).get(w, [])])[0]
+        ref_tpot = _med([r.get("mean_tpot_ms") for r in results.get("ref", {}).get(w, [])])[0]
         limit = workload_limit(results.get("base", {}).get(w, []), WORKLOADS[w][1])
         for c in configs:
             runs = results[c][w]
@@ -567,9 +834,20 @@ def summarize(results, configs, workloads, margin, tol) -> list[dict]:
                 row["tok_s_vs_native"] = tps / native_tps
             if base_tpot and tpot:
                 row["tpot_vs_base"] = tpot / base_tpot
+            if ref_tps and tps:
+                row["tok_s_vs_ref"] = tps / ref_tps
+            if ref_tpot and tpot:
+                row["tpot_vs_ref"] = tpot / ref_tpot
             if c not in ("base", "noio") and "base" in results:
                 cmp = [compare(b, o, margin, tol) for b, o in zip(results["base"][w], runs)]
                 row["exactness"] = {
+                    "checked_steps": sum(x["checked_steps"] for x in cmp),
+                    "violations": sum(x["violations"] for x in cmp),
+                    "max_abs_dlogprob": max((x["max_abs_dlogprob"] for x in cmp), default=None),
+                }
+            if c not in ("base", "ref", "noio") and "ref" in results:
+                cmp = [compare(b, o, margin, tol) for b, o in zip(results["ref"][w], runs)]
+                row["exactness_vs_ref"] = {
                     "checked_steps": sum(x["checked_steps"] for x in cmp),
                     "violations": sum(x["violations"] for x in cmp),
                     "max_abs_dlogprob": max((x["max_abs_dlogprob"] for x in cmp), default=None),
@@ -578,10 +856,12 @@ def summarize(results, configs, workloads, margin, tol) -> list[dict]:
                 row["tok_s_vs_limit"] = (tps or 0) / limit["output_tok_s"]
             rows.append(row)
             ex = row.get("exactness")
+            vs_ref = (f", x{row.get('tok_s_vs_ref', 0):.2f} ref" if ref_tps else "")
+            tpot_ref = (f", x{row.get('tpot_vs_ref', 0):.2f} ref" if ref_tpot else "")
             print(f"{w:<11} {c:<7} {len(runs):>4} {n_ok:>3}/{n_err:<3}  "
                   f"{(tps or 0):9.1f} ± {(tps_s or 0):6.1f} (x{row.get('tok_s_vs_base', 0):.2f} base, "
-                  f"x{row.get('tok_s_vs_native', 0):.2f} native)   "
-                  f"{(tpot or 0):7.2f} ± {(tpot_s or 0):5.2f} (x{row.get('tpot_vs_base', 0):.2f})   "
+                  f"x{row.get('tok_s_vs_native', 0):.2f} native{vs_ref})   "
+                  f"{(tpot or 0):7.2f} ± {(tpot_s or 0):5.2f} (x{row.get('tpot_vs_base', 0):.2f}{tpot_ref})   "
                   f"{(step or 0):6.2f} ± {(step_s or 0):4.2f}   "
                   f"{row['max_running']}/{(row['mean_running'] or 0):.1f}   "
                   + (f"{ex['checked_steps']} steps, {ex['violations']} over {tol}, "

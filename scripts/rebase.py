@@ -1,19 +1,27 @@
 #!/usr/bin/env python3
 """Rebase the manifest onto another SGLang release (the mechanical part).
 
-    python scripts/rebase.py --sglang-root DIR [--write]
+    python scripts/rebase.py DIR [--write]          # or: --sglang-root DIR
+    python scripts/rebase.py --hash TARGET... [--sglang-root DIR]
 
 DIR holds the new release's ``sglang`` package (e.g. ``pip install --no-deps
---target DIR sglang==X``). For every manifest entry this prints one of:
+--target DIR sglang==X``, or a ``pip download`` wheel unpacked). For every
+manifest entry this prints one of:
 
   drop      the behaviour is native in the new release (native_in <= new)
   same      the target's source is unchanged: the pinned hash carries over
   reapply   a source patch whose hunks still match once re-anchored: with
             --write the re-anchored diff is written to patches/sglang-NEW/
-  review    the target changed (or vanished): a human rewrites the hook/patch
+  review    a hook target changed (or vanished): a human rewrites the hook/patch
+  changed   a DEPENDS target changed: a human re-reads our code that mirrors or
+            is called by it (printed after "relied on by"), then takes the hash
+  gone      a DEPENDS target vanished: the same, and the entry is retargeted
 
 and finally the sha256 values to paste into ``manifest.py`` for the new
 version. Nothing here edits manifest.py: hashes are reviewed by a person.
+
+``--hash`` prints the sha256 of any target (default: the installed SGLang),
+the way the loader computes it: that is where a new entry's hash comes from.
 """
 
 from __future__ import annotations
@@ -70,14 +78,28 @@ def _reanchor(old_pinned: str, old_patched: str, new_source: str) -> str | None:
     return "\n".join(out) + "\n"
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--sglang-root", type=Path, required=True)
-    ap.add_argument("--write", action="store_true")
-    args = ap.parse_args()
-    new = sglang_version(args.sglang_root)
+def print_hashes(targets: list[str], root: Path | None) -> int:
+    """``--hash``: one line per target, ``target sha256 file:line``."""
+    missing = 0
+    for target in targets:
+        try:
+            src = read_pinned_source(target, root)
+        except TargetNotFound as exc:
+            print(f"{target} NOT FOUND ({exc})")
+            missing += 1
+            continue
+        print(f"{target} {src.sha256} {src.path.name}:{src.first_line}")
+    return 1 if missing else 0
+
+
+def _relied_on_by(entry) -> str:
+    return "\n".join(f"             relied on by {who}" for who in entry.relied_on_by)
+
+
+def rebase(root: Path, write: bool) -> int:
+    new = sglang_version(root)
     old = SUPPORTED_SGLANG_VERSIONS[-1]
-    print(f"rebasing the {old} manifest onto sglang {new} at {args.sglang_root}")
+    print(f"rebasing the {old} manifest onto sglang {new} at {root}")
     hashes: dict[str, str] = {}
     needs_human = 0
     for e in ENTRIES:
@@ -85,14 +107,27 @@ def main() -> int:
             print(f"  drop     {e.target} (native in {e.native_in})")
             continue
         try:
-            src = read_pinned_source(e.target, args.sglang_root)
+            src = read_pinned_source(e.target, root)
         except TargetNotFound as exc:
-            print(f"  review   {e.target}: {exc}")
+            if e.kind is Kind.DEPENDS:
+                print(f"  gone     {e.target}: {exc}\n{_relied_on_by(e)}")
+            else:
+                print(f"  review   {e.target}: {exc}")
             needs_human += 1
             continue
         if src.sha256 == e.sha256.get(old):
             print(f"  same     {e.target}")
             hashes[e.target] = src.sha256
+            continue
+        if e.kind is Kind.DEPENDS:
+            # The new hash is printed below, but only a person who has re-read
+            # our side may paste it.
+            print(
+                f"  changed  {e.target} ({src.path.name}:{src.first_line}): "
+                f"re-read our mirror\n{_relied_on_by(e)}"
+            )
+            hashes[e.target] = src.sha256
+            needs_human += 1
             continue
         if e.kind is not Kind.SOURCE_PATCH:
             print(f"  review   {e.target}: source changed ({src.path.name}:{src.first_line})")
@@ -120,16 +155,38 @@ def main() -> int:
         )
         print(f"  reapply  {e.target}")
         hashes[e.target] = src.sha256
-        if args.write:
+        if write:
             path = patch_file(new, e.target)
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(new_diff)
             print(f"           wrote {path}")
-    print(f"\nsha256 for {new!r} (add to each entry's sha256 dict):")
+    print(f"\nsha256 for {new!r} (add to each entry's sha256 dict; 'changed' ones only "
+          "after re-reading what relies on them):")
     for target, h in hashes.items():
         print(f"  {target}: {h}")
     print(f"\n{needs_human} entr{'y needs' if needs_human == 1 else 'ies need'} a human")
     return 1 if needs_human else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    ap.add_argument("dir", nargs="?", type=Path, default=None,
+                    help="directory that holds the new release's sglang package")
+    ap.add_argument("--sglang-root", type=Path, default=None, help="same as DIR")
+    ap.add_argument("--write", action="store_true",
+                    help="write re-anchored source patches to patches/sglang-NEW/")
+    ap.add_argument("--hash", nargs="+", metavar="TARGET", default=None,
+                    help="print the sha256 of these dotted targets and exit "
+                         "(DIR / --sglang-root, default: the installed sglang)")
+    args = ap.parse_args(argv)
+    if args.dir is not None and args.sglang_root is not None and args.dir != args.sglang_root:
+        ap.error("give the release directory once (DIR or --sglang-root)")
+    root = args.dir or args.sglang_root
+    if args.hash is not None:
+        return print_hashes(args.hash, root)
+    if root is None:
+        ap.error("the new release's directory is required (DIR or --sglang-root DIR)")
+    return rebase(root, args.write)
 
 
 if __name__ == "__main__":

@@ -27,17 +27,40 @@ pure-Python LRU model. At the end everything is drained and one line states
 free-after-drain vs free-at-start for every allocator and the host pool.
 Exit status is non-zero on a leak or any mismatch.
 
+The scheduler's side is SGLang's own code wherever it can run outside a
+server: each decode step is ``ScheduleBatch.prepare_for_decode`` on a real
+batch (``alloc_for_decode``, then the coordinator's ``map_last_loc_to_buffer``),
+a request is released by ``release_kv_cache`` through a ``ChunkCache`` and
+retracted by ``release_req``, a PD node pre-allocates with
+``DecodePreallocQueue._pre_alloc`` and resumes with ``Req.load_kv_cache``,
+and an abort of a retracted request goes through ``Scheduler.abort_request``
+inside our hook (the queue and the scheduler as namespaces holding what those
+functions read; see ``tests/dataplane_fixtures.py``).
+
+Each decode step runs in the order of a server with the overlap scheduler:
+the batch is prepared on the scheduler's stream (write-through of the
+previous token included), then the forward runs on its own stream, which is
+the coordinator's decode producer stream (``set_decode_producer_stream``, as
+0.5.13's ``Scheduler`` sets it): ``wait_for_pending_backup`` and
+``num_real_reqs.fill_`` as ``ModelRunner.forward`` does, then the new tokens'
+KV is written, then the per-layer swap-ins run. Releases after the step
+wait for that stream (the coordinator's job).
+
 On CPU the swap-in is the torch reference and staging copies finish after a
 random number of polls; with ``--device cuda`` everything the coordinator
 does runs as in a server (our JIT swap-in kernel, SGLang's Triton allocator
-kernels, staging and write-through on their own streams, pinned host
-memory), with each swap-in launched after ``wait_for_pending_backup`` as
-SGLang's model runner does, and the same checks read the device back.
+kernels, staging and write-through on their own streams, the forward on a
+producer stream, pinned host memory) and the same checks read the device
+back.
+
+``--verbose`` prints one JSON line of counters before the verdict line.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import random
 import sys
@@ -50,15 +73,18 @@ import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # dataplane_fixtures: SGLang's scheduler-side calls
+
+from sglang_hisparse.engine.state import ReqState  # noqa: E402
 
 
 def _swap_in_for(device: str):
     """(swap-in function for the coordinator, its name): the torch reference
     on CPU, the coordinator's own default (our JIT kernel) on CUDA."""
     if device == "cpu":
-        from sglang_hisparse.kernels.reference import swap_in_selected
+        from sglang_hisparse.kernels.reference import swap_in
 
-        return swap_in_selected, "sglang_hisparse.kernels.reference"
+        return swap_in, "sglang_hisparse.kernels.reference"
     return None, "sglang_hisparse.kernels.swap_in (JIT)"
 
 
@@ -111,8 +137,8 @@ class Sim:
                  pd: bool = False, device: str = "cpu"):
         from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool
 
-        from sglang_hisparse.allocator import HiSparseDualAllocator
-        from sglang_hisparse.coordinator import HiSparseCoordinator
+        from sglang_hisparse.pools.allocator import HiSparseDualAllocator
+        from sglang_hisparse.adapter.model_runner import HiSparseCoordinator
 
         self.rng = random.Random(seed)
         torch.manual_seed(seed)
@@ -130,7 +156,7 @@ class Sim:
         self.alloc = HiSparseDualAllocator(phys, page_size, torch.bfloat16, device, self.pool,
                                            False, host_to_device_ratio=ratio)
         self.ref, self.ref_name = _swap_in_for(device)
-        from sglang_hisparse.host_pool import HiSparseMLAHostPool
+        from sglang_hisparse.pools.host import HiSparseMLAHostPool
 
         # Host smaller than the logical space, so admission is host-bound at times.
         per_token = 576 * 2 * layers
@@ -140,6 +166,23 @@ class Sim:
                                          host_pool=host, swap_in_fn=self.ref,
                                          residency=residency, pd_decode=pd)
         self.pd = pd
+        from sglang.srt.server_args import ServerArgs
+
+        from dataplane_fixtures import chunk_cache, prealloc_queue
+
+        # What SGLang's functions read (release_kv_cache, release_req, ...).
+        self.server_args = ServerArgs(model_path="dummy")
+        self.server_args.page_size = page_size
+        self.server_args.disaggregation_mode = "decode" if pd else "null"
+        self.cache = chunk_cache(self.r2t, self.alloc)
+        self.prealloc = prealloc_queue(self.r2t, self.alloc, self.coord, self.server_args)
+        # The forward runs on its own stream, the coordinator's decode
+        # producer stream (0.5.13 Scheduler: set_decode_producer_stream(forward_stream)).
+        self.forward_stream = None
+        if str(device).startswith("cuda"):
+            self.forward_stream = torch.cuda.Stream()
+            self.coord.set_decode_producer_stream(self.forward_stream)
+        self.in_forward = False
         self.coord.set_cpu_staging_delay(lambda: self.rng.choice([0, 0, 1, 3]))
         self.max_reqs = max_reqs
         if parking and not pd:  # a PD decode node prefills nothing
@@ -178,7 +221,7 @@ class Sim:
         from sglang.srt.managers.schedule_batch import Req
         from sglang.srt.sampling.sampling_params import SamplingParams
 
-        req = Req(f"r{self.uid}", "", array("i", [1] * n),
+        req = Req(f"r{self.uid}.", "", array("q", [1] * n),
                   SamplingParams(max_new_tokens=self.rng.randint(1, 3 * self.hot)))
         req.sim_uid = self.uid
         req.sim_len = 0  # tokens whose KV exists
@@ -187,20 +230,36 @@ class Sim:
         self.waiting.append(req)
 
     def write_kv(self, req, positions, logical):
+        if self.in_forward and self.forward_stream is not None \
+                and torch.cuda.current_stream() != self.forward_stream:
+            raise Mismatch(f"{req.rid}: decode KV written outside the producer stream")
         phys = self.alloc.translate_to_physical(logical)
         if bool((phys <= 0).any()):
             raise Mismatch(f"{req.rid}: write to an unmapped logical slot")
         _put_tags(self.pool.kv_buffer, req.sim_uid, positions, phys.tolist())
 
     def release_slots(self, req):
-        n = req.kv_allocated_len
-        if n:
-            self.alloc.free(self.r2t.req_to_token[req.req_pool_idx, :n].to(torch.int64))
-        self.r2t.free(req)
-        req.req_pool_idx = None
-        req.kv_allocated_len = 0
+        """0.5.13 ``release_kv_cache`` (ChunkCache: the request's KV slots and
+        its request slot)."""
+        from sglang.srt.mem_cache.common import release_kv_cache
+
+        release_kv_cache(req, self.cache)
+        self.forget(req)
+
+    def forget(self, req):
         self.models.pop(req, None)
         self.was_resident.discard(req)
+
+    def release_req(self, req):
+        """0.5.13 ``release_req`` (what ``retract_decode`` runs per request):
+        the coordinator's retract_req, on a PD decode node the KV snapshot
+        (``get_cpu_copy``), ``release_kv_cache``, ``reset_for_retract``."""
+        from sglang.srt.managers.schedule_batch import release_req
+
+        release_req(req=req, remaing_req_count=0, server_args=self.server_args,
+                    req_to_token_pool=self.r2t, token_to_kv_pool_allocator=self.alloc,
+                    tree_cache=self.cache, hisparse_coordinator=self.coord)
+        self.forget(req)
 
     def dev(self, values, dtype=torch.int64):
         return torch.tensor(values, dtype=dtype, device=self.device)
@@ -214,7 +273,7 @@ class Sim:
 
     def prefill_demand(self):
         """What try_prefill will ask for, in the coordinator's terms."""
-        from sglang_hisparse.parking import PrefillDemand
+        from sglang_hisparse.engine.policies.parking import PrefillDemand
 
         in_flight = sum(self.page_up(r.sim_target) - self.page_up(r.sim_len)
                         for r in self.prefilling)
@@ -248,7 +307,7 @@ class Sim:
             raise Mismatch("alloc_extend failed after admission said yes")
         self.r2t.req_to_token[req.req_pool_idx, pre:end] = out.to(torch.int32)
         self.write_kv(req, range(pre, end), out)
-        req.sim_len = req.kv_allocated_len = req.fill_len = end
+        req.sim_len = req.kv_allocated_len = req.kv_committed_len = req.fill_len = end
         self.stats["prefill"] += 1
         if end < req.sim_target:
             return
@@ -275,7 +334,7 @@ class Sim:
                 m.reset_resident(start)
             self.models[req] = models
         self.stats["parked"] += len(set(self.coord.parked_requests()) - parked)
-        self.stats["host_wait_max"] = max(self.stats["host_wait_max"], len(self.coord._host_wait))
+        self.stats["host_wait_max"] = max(self.stats["host_wait_max"], self.coord.requests.count(ReqState.HOST_WAIT))
 
     def decode(self):
         batch = [r for r in self.running if r.sim_len + 1 < self.max_ctx]
@@ -289,26 +348,43 @@ class Sim:
             self.stats["retract_oom"] += 1
         if not batch:
             return
-        rpi_cpu = torch.tensor([r.req_pool_idx for r in batch], dtype=torch.int64)
-        seq_cpu = torch.tensor([r.sim_len for r in batch], dtype=torch.int64) + 1
-        rpi, seq = rpi_cpu.to(self.device), seq_cpu.to(self.device)
-        last = self.r2t.req_to_token[rpi, seq - 2].to(torch.int64)
-        out = self.alloc.alloc_decode(seq, seq_cpu, last)
-        if out is None:
-            raise Mismatch("alloc_decode failed after check_decode_mem said yes")
-        self.r2t.req_to_token[rpi, seq - 1] = out.to(torch.int32)
-        for r in batch:
-            r.kv_allocated_len = r.sim_len + 1
-        self.coord.map_last_loc_to_buffer(seq, out, rpi, seq_cpu, rpi_cpu)
-        for r, loc in zip(batch, out):
-            self.write_kv(r, [r.sim_len], loc.view(1))
-            r.sim_len += 1
-        self.check_swap_in(batch, rpi, seq)
+        # The scheduler's stream: 0.5.13's own prepare_for_decode (new slots,
+        # then map_last_loc_to_buffer: write-through of the previous tokens).
+        from dataplane_fixtures import decode_batch
+
+        step = decode_batch(self.r2t, self.alloc, self.coord, batch, self.device)
+        step.prepare_for_decode()
+        rpi, seq, out = step.req_pool_indices, step.seq_lens, step.out_cache_loc
+        with self.forward():
+            # ModelRunner.forward: wait for the write-through, count the real
+            # rows; then the model writes the new tokens' KV and each layer
+            # swaps in its selection.
+            self.coord.wait_for_pending_backup()
+            self.coord.num_real_reqs.fill_(len(batch))
+            for r, loc in zip(batch, out):
+                self.write_kv(r, [r.sim_len], loc.view(1))
+                r.sim_len += 1
+            self.check_swap_in(batch, rpi, seq)
         self.stats["decode_steps"] += 1
         for r in list(batch):
             r.sim_decode_left -= 1
             if r.sim_decode_left <= 0:
                 self.finish(r)
+
+    @contextlib.contextmanager
+    def forward(self):
+        """The forward pass: on CUDA on the producer stream, after the
+        scheduler's stream (0.5.13 run_batch: forward_stream.wait_stream)."""
+        self.in_forward = True
+        try:
+            if self.forward_stream is None:
+                yield
+            else:
+                self.forward_stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(self.forward_stream):
+                    yield
+        finally:
+            self.in_forward = False
 
     def check_swap_in(self, batch, rpi, seq):
         bs = len(batch)
@@ -325,8 +401,6 @@ class Sim:
         topk = topk.to(self.device)
         rpi_p = torch.cat([rpi, self.dev([0] * pad)])
         seq_p = torch.cat([seq, self.dev([1] * pad)])
-        self.coord.num_real_reqs.fill_(bs)
-        self.coord.wait_for_pending_backup()  # as ModelRunner.forward does before a decode
         for layer in range(self.layers):
             before_lru = self.coord.lru_slots[layer].clone()
             out = self.coord.swap_in_selected_pages(rpi_p, seq_p, topk, layer)
@@ -354,7 +428,7 @@ class Sim:
         idx = r.req_pool_idx
         tokens = self.coord.req_device_buffer_tokens[layer, idx, : self.hot].tolist()
         lru = self.coord.lru_slots[layer, idx].tolist()
-        if idx in self.coord._resident_rows:
+        if self.coord.residency.holds(idx):
             if lru != lru_before.tolist():
                 raise Mismatch(f"{r.rid}: a resident request's LRU changed")
             self.was_resident.add(r)
@@ -395,11 +469,9 @@ class Sim:
         if self.pd:
             return self.pd_retract(req)
         self.running.remove(req)
-        self.coord.retract_req(req)
-        self.release_slots(req)
+        self.release_req(req)
         req.sim_len = 0
         req.sim_target = len(req.origin_input_ids)
-        req.hisparse_staging = False
         self.waiting.append(req)
         self.stats["retract"] += 1
 
@@ -416,9 +488,19 @@ class Sim:
         if state == "waiting":
             self.stats["abort_waiting"] += 1
             return
-        if state == "retracted":  # what the abort hook does before 0.5.13 drops the snapshot
-            self.coord.release_retained(req.kv_cache_cpu)
-            del req.kv_cache_cpu
+        if state == "retracted":
+            # 0.5.13 abort_request (drops the snapshot) inside our hook (frees
+            # its host rows first), on the prealloc queue's retracted list.
+            from dataplane_fixtures import abort, abort_scheduler
+
+            q.append(req)
+            sched, sent = abort_scheduler(self.coord, self.r2t, self.alloc, decode=True,
+                                          retracted=q)
+            abort(sched, req.rid)
+            self.retracted = sched.disagg_decode_prealloc_queue.retracted_queue
+            if hasattr(req, "kv_cache_cpu") or [o.rid for o in sent] != [req.rid] \
+                    or req in self.retracted:
+                raise Mismatch(f"{req.rid}: abort while retracted not carried out")
             self.stats["abort_retracted"] += 1
             return
         if state == "staging":
@@ -433,23 +515,16 @@ class Sim:
         self.release_slots(req)
 
     # ------------------------------------------------------ PD decode node
-    def pre_alloc(self, req) -> bool:
-        """``DecodePreallocQueue._pre_alloc``'s HiSparse branch, behind its
-        budget check: a request slot, logical slots, host rows."""
+    def pre_alloc(self, req):
+        """0.5.13 ``DecodePreallocQueue._pre_alloc`` (its HiSparse branch: a
+        request slot, logical slots, host rows) behind a budget check; the
+        host rows, or None when the budget says no."""
+        from sglang.srt.disaggregation.decode import DecodePreallocQueue
+
         n = len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
         if not self.r2t.available_size() or self.alloc.available_size() < self.page_up(n) + self.ps:
-            return False
-        (idx,) = self.r2t.alloc([req])
-        req.req_pool_idx = idx
-        logical = self.alloc.alloc_logical_only(*self.lens(0), *self.lens(n), self.dev([-1]), n)
-        if logical is None:
-            raise Mismatch("alloc_logical_only failed after the budget said yes")
-        self.r2t.req_to_token[idx, :n] = logical.to(torch.int32)
-        req.kv_allocated_len = req.fill_len = n
-        self.host.alloc_paged_token_slots(self.coord.req_to_host_pool,
-                                          self.coord.req_to_host_pool_allocated_len, idx, 0,
-                                          self.coord.host_token_len(n))
-        return True
+            return None
+        return DecodePreallocQueue._pre_alloc(self.prealloc, req)
 
     def join(self, req):
         """Decoding from host: a short request is loaded whole, a long one starts empty."""
@@ -460,10 +535,10 @@ class Sim:
         self.models[req] = models
 
     def try_transfer(self):
-        if not self.waiting or not self.pre_alloc(self.waiting[0]):
+        rows = self.pre_alloc(self.waiting[0]) if self.waiting else None
+        if rows is None:
             return
         req = self.waiting.pop(0)
-        rows = self.coord.req_to_host_pool[req.req_pool_idx, :req.sim_target]
         # the prefill node's KV lands on host
         _put_tags(self.host.kv_buffer, req.sim_uid, range(req.sim_target), rows.tolist())
         req.sim_len = req.sim_target
@@ -475,26 +550,35 @@ class Sim:
         """0.5.13 ``release_req`` on a decode node: retract_req, then the
         snapshot of seqlen - 1 tokens (every token whose KV exists here)."""
         self.running.remove(req)
-        req.output_ids = [1] * (req.sim_len + 1 - len(req.origin_input_ids))
-        self.coord.retract_req(req)
-        logical = self.r2t.req_to_token[req.req_pool_idx, :req.sim_len]
-        req.kv_cache_cpu = self.alloc.get_cpu_copy(logical)
-        self.release_slots(req)
+        req.output_ids = array("q", [1] * (req.sim_len + 1 - len(req.origin_input_ids)))
+        self.release_req(req)
         self.retracted.append(req)
         self.stats["retract"] += 1
 
     def try_resume(self):
-        if not self.retracted or not self.pre_alloc(self.retracted[0]):
+        """0.5.13 ``resume_retracted_reqs``: ``_pre_alloc``, then ``load_kv_cache``."""
+        if not self.retracted or self.pre_alloc(self.retracted[0]) is None:
             return
         req = self.retracted.pop(0)
-        self.alloc.load_cpu_copy(req.kv_cache_cpu,
-                                 self.r2t.req_to_token[req.req_pool_idx, :req.sim_len])
-        del req.kv_cache_cpu
+        req.load_kv_cache(self.r2t, self.alloc)
         self.join(req)
         self.stats["resumed"] += 1
 
     # ---------------------------------------------------------------- run
     def step(self):
+        with self.sglang():
+            self._step()
+
+    @contextlib.contextmanager
+    def sglang(self):
+        """The soak's ServerArgs as SGLang's process-wide ones while SGLang's
+        functions run (restored after: tests run the soak in-process)."""
+        from dataplane_fixtures import installed_server_args
+
+        with installed_server_args(self.server_args):
+            yield
+
+    def _step(self):
         rng = self.rng
         if rng.random() < 0.35 and len(self.waiting) < 8:
             self.new_req()
@@ -513,6 +597,10 @@ class Sim:
             self.retract(self.running[rng.randrange(len(self.running))])
 
     def drain(self):
+        with self.sglang():
+            self._drain()
+
+    def _drain(self):
         for req in list(self.staging) + list(self.running) + list(self.prefilling):
             if req in self.staging:
                 self.staging.remove(req)
@@ -533,7 +621,7 @@ class Sim:
         end = self.snapshot()
         mapped = int((self.alloc.full_to_hisparse_device_index_mapping[:-1] != 0).sum())
         extra = dict(coordinator_live=len(self.coord.live_request_slots()),
-                     mapping_nonzero=mapped, prefill_claims=len(self.alloc._prefill_claims),
+                     mapping_nonzero=mapped, prefill_claims=self.alloc.pending_prefill_claim(),
                      host_rows_nonneg=int((self.coord.req_to_host_pool >= 0).sum()))
         ok = end == self.start and not any(extra.values())
         parts = [f"{k} free {end[k]}/{self.start[k]}" for k in ("logical", "physical", "host", "req_slots")]
@@ -568,7 +656,9 @@ def main(argv=None) -> int:
         error = f"MISMATCH: {exc}"
     ok, parts = sim.leak_report()
     if args.verbose:
-        print(f"swap-in: {sim.ref_name}; stats {sim.stats}; {sim.coord.get_hisparse_stats()}")
+        print(json.dumps({"swap_in": sim.ref_name, "stats": sim.stats,
+                          "coordinator": sim.coord.get_hisparse_stats(),
+                          "producer_stream": sim.coord.decode_producer_stream is not None}))
     verdict = "OK" if ok and error is None else "FAIL"
     print(f"soak seed={args.seed} steps={args.steps} mode={args.mode} device={args.device} "
           f"residency={args.residency} parking={args.parking} {verdict}: "

@@ -8,7 +8,12 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m sglang_hisparse doctor [--sglang-root DIR] [--kernels]")
+        print(
+            "usage: python -m sglang_hisparse doctor [--sglang-root DIR] [--verbose]\n"
+            "           [--kernels [--kernel-config JSON] [--kv-cache-dtype {bfloat16,fp8_e4m3}]"
+            " [--layout {rows,dsv4_c4}]]\n"
+            "       python -m sglang_hisparse doctor --help"
+        )
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "doctor":

@@ -2,7 +2,7 @@
 
 This module imports nothing from SGLang, so the rules can be tested (and
 reused by tools) without paying for an SGLang import. The SGLang-facing side
-lives in :mod:`sglang_hisparse.arg_hooks`.
+lives in :mod:`sglang_hisparse.adapter.args`.
 
 Keys (all optional)::
 
@@ -36,15 +36,18 @@ import json
 from dataclasses import dataclass, replace
 from typing import Callable
 
+from sglang_hisparse.kernels.limits import (  # torch-free
+    MAX_BLOCK_SIZE as MAX_SWAP_IN_BLOCK_SIZE,
+    MIN_BLOCK_SIZE as MIN_SWAP_IN_BLOCK_SIZE,
+)
+
 FLAG = "--hisparse-config"
 
 DEFAULT_HOST_TO_DEVICE_RATIO = 2
 # The kernel splits a block into 32-thread warps that copy items cooperatively,
 # so a partial warp is not allowed; it needs two warps for its two scans, and
-# 1024 is CUDA's limit on threads per block (see kernels/swap_in.py).
+# 1024 is CUDA's limit on threads per block (see kernels/limits.py).
 WARP_SIZE = 32
-MIN_SWAP_IN_BLOCK_SIZE = 64
-MAX_SWAP_IN_BLOCK_SIZE = 1024
 
 
 class HiSparseConfigError(ValueError):
@@ -58,7 +61,7 @@ class HiSparseConfig:
     # None: not given; resolve() makes it 2 x top_k.
     device_buffer_size: int | None = None
     host_to_device_ratio: int = DEFAULT_HOST_TO_DEVICE_RATIO
-    # None: the kernel picks by hot-buffer size (measured, not guessed).
+    # None: the kernel's DEFAULT_BLOCK_SIZE (measured, not guessed; kernels/limits.py).
     swap_in_block_size: int | None = None
 
     @property
@@ -157,7 +160,7 @@ def _check_buffer_holds_top_k(device_buffer_size: int, top_k: int) -> None:
 def _check_swap_in_kernel_limits(top_k: int, device_buffer_size: int,
                                  swap_in_block_size: int | None) -> None:
     """What the swap-in kernel can run, named as this config names the sizes."""
-    from sglang_hisparse.kernels.swap_in import size_problem
+    from sglang_hisparse.kernels.limits import size_problem
 
     problem = size_problem(top_k, device_buffer_size, swap_in_block_size,
                            hot_name="device_buffer_size", block_name="swap_in_block_size")
@@ -183,12 +186,14 @@ SKIP_IO_ENV = "SGLANG_HISPARSE_SKIP_IO"  # coordinator: timing probe, no host co
 RESIDENCY_ENV = "SGLANG_HISPARSE_RESIDENCY"  # coordinator: "0" stages every request
 PARKING_ENV = "SGLANG_HISPARSE_PARKING"  # coordinator: "0" joins staged requests at once
 HOST_ALLOC_ENV = "SGLANG_HISPARSE_HOST_ALLOC"  # host_memory: how host pools are pinned
+CHECK_ENV = "SGLANG_HISPARSE_CHECK"  # coordinator: "1" checks every swap-in's rows (debug)
 HOST_ALLOC_MODES = ("cuda_host_alloc", "registered", "registered_thp")
 ENV_SWITCHES = {
     NATIVE_ENV: ("0", "1"),
     SKIP_IO_ENV: ("0", "1"),
     RESIDENCY_ENV: ("0", "1"),
     PARKING_ENV: ("0", "1"),
+    CHECK_ENV: ("0", "1"),
     HOST_ALLOC_ENV: HOST_ALLOC_MODES,
 }
 

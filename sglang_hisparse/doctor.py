@@ -5,21 +5,93 @@ running one by default, or any directory holding an ``sglang`` package
 (``--sglang-root``), e.g. a newer release unpacked beside the pinned one
 before a rebase. Checks on a foreign install are textual: nothing of it is
 imported. Exit status 1 when the release is unsupported or any entry fails.
+
+Per entry it prints the status, kind, process and target, then what we
+install (``impl``) or ``hash only`` with what relies on it (DEPENDS), why
+(shortened), and when the entry goes away (``native_in`` / ``removal``).
+``--verbose`` adds the full text, each REPLACE's behaviour lines, the tests
+that cover the entry and where upstream did it.
+
+``--kernels`` compiles the swap-in kernel variants a server with that
+``--kernel-config`` (the ``--hisparse-config`` keys) and ``--kv-cache-dtype``
+would build at its first decode step, so a node can warm its JIT cache.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import inspect
+import re
 import sys
+import textwrap
 from pathlib import Path
 
 from sglang_hisparse import SUPPORTED_SGLANG_VERSIONS, __version__
-from sglang_hisparse.manifest import ENTRIES
+from sglang_hisparse.manifest import DEPENDS, ENTRIES, HOOKS, Entry, Kind
 from sglang_hisparse.pinned_source import installed_sglang_root, sglang_version
 
+_INDENT = " " * 7
 
-def run_doctor(root: Path | None, out=sys.stdout) -> int:
+
+def _short(text: str, width: int = 100) -> str:
+    """The first sentence of ``text``, cut to ``width`` characters."""
+    first = re.split(r"[.;]\s+(?=[A-Z(])", text, maxsplit=1)[0].rstrip(".")
+    if len(first) <= width:
+        return first
+    return first[: width - 3].rsplit(" ", 1)[0] + "..."
+
+
+def _removal(entry: Entry) -> str:
+    native = f"native in {entry.native_in}; " if entry.native_in else ""
+    return native + (entry.removal or "keep")
+
+
+def _wrapped(label: str, text: str) -> list[str]:
+    lead = f"{_INDENT}{label:<10}"
+    return textwrap.wrap(text, width=100, initial_indent=lead,
+                         subsequent_indent=" " * len(lead)) or [lead]
+
+
+def entry_lines(entry: Entry, ok: bool, detail: str, version: str,
+                verbose: bool = False) -> list[str]:
+    """What the doctor prints for one entry (the first line is the status line;
+    a failure's reason follows it at once, after "->")."""
+    lines = [
+        f"  {'OK  ' if ok else 'FAIL'} {entry.kind.value:<12} {entry.process.value:<9} "
+        f"{entry.target}"
+    ]
+    if not ok:
+        lines.append(f"{_INDENT}-> {detail}")
+    if entry.kind is Kind.DEPENDS:
+        if verbose:
+            lines.append(f"{_INDENT}{'impl':<10}hash only")
+        else:
+            users = ", ".join(who.removeprefix("sglang_hisparse.") for who in entry.relied_on_by)
+            lines += _wrapped("impl", f"hash only; relied on by {users}")
+    elif entry.kind is Kind.SOURCE_PATCH:
+        patch = f"patches/sglang-{version}/{entry.target}.diff"
+        lines.append(f"{_INDENT}impl      source patch {patch}")
+    else:
+        lines.append(f"{_INDENT}impl      {entry.impl}")
+    if not verbose:
+        lines.append(f"{_INDENT}why       {_short(entry.why)}")
+        if entry.kind is not Kind.DEPENDS or entry.native_in:
+            lines.append(f"{_INDENT}removal   {_short(_removal(entry))}")
+        return lines
+    lines += _wrapped("why", entry.why)
+    for who in entry.relied_on_by:
+        lines.append(f"{_INDENT}{'relied on':<10}{who}")
+    for line in entry.behaviour:
+        lines += _wrapped("behaviour", line)
+    lines += _wrapped("removal", _removal(entry))
+    if entry.upstream:
+        lines += _wrapped("upstream", entry.upstream)
+    lines.append(f"{_INDENT}{'scope':<10}{entry.scope.value}")
+    lines.append(f"{_INDENT}{'tests':<10}{', '.join(entry.tests) or 'none (hash only)'}")
+    return lines
+
+
+def run_doctor(root: Path | None, out=sys.stdout, verbose: bool = False) -> int:
     from sglang_hisparse.plugin import check_entry
 
     foreign = root is not None
@@ -40,29 +112,120 @@ def run_doctor(root: Path | None, out=sys.stdout) -> int:
         + ("" if supported else f"; entries compared with the {ref} pin"),
         file=out,
     )
-    failures = 0
-    for entry in ENTRIES:
-        check = check_entry(entry, ref, root if foreign else None, build=not foreign)
-        failures += not check.ok
-        native = f"native in {entry.native_in}" if entry.native_in else "not native upstream"
-        print(
-            f"  {'OK  ' if check.ok else 'FAIL'} {entry.kind.value:<12} {entry.target}"
-            f"  [{entry.scope.value}; {native}]"
-            + ("" if check.ok else f"\n         -> {check.detail}"),
-            file=out,
-        )
     print(
-        f"{len(ENTRIES) - failures} of {len(ENTRIES)} entries OK",
+        "process: launcher (argument parsing), scheduler (every scheduler subprocess), "
+        "both (plugin loading)",
         file=out,
     )
-    return 0 if supported and failures == 0 else 1
+    failures = {"hooks": 0, "dependencies": 0}
+    for title, key, entries in (
+        ("installed (hooks and patches)", "hooks", HOOKS),
+        ("dependencies (DEPENDS: hash only; a change needs a person to re-read our side)",
+         "dependencies", DEPENDS),
+    ):
+        print(f"\n{title}: {len(entries)}", file=out)
+        for entry in entries:
+            check = check_entry(entry, ref, root if foreign else None, build=not foreign)
+            failures[key] += not check.ok
+            for line in entry_lines(entry, check.ok, check.detail, ref, verbose):
+                print(line, file=out)
+    bad = sum(failures.values())
+    print(
+        f"\n{len(ENTRIES) - bad} of {len(ENTRIES)} entries OK "
+        f"({len(HOOKS) - failures['hooks']} of {len(HOOKS)} hooks, "
+        f"{len(DEPENDS) - failures['dependencies']} of {len(DEPENDS)} dependencies)",
+        file=out,
+    )
+    return 0 if supported and bad == 0 else 1
 
 
-def run_kernel_warmup(config_json: str | None, out=sys.stdout) -> int:
-    from sglang_hisparse.kernels import compile_variants
+# ---------------------------------------------------------------- kernels
+# DSA latent row (DeepSeek-V3.2 / GLM-5: kv_lora_rank 512, qk_rope_head_dim
+# 64), laid out as 0.5.13's ModelRunnerKVCacheMixin.calculate_mla_kv_cache_dim
+# lays it out (a DEPENDS entry): bf16 stores 576 values of 2 B; FP8
+# (flashmla_kv) stores the 512 latent values as fp8, one fp32 scale per
+# 128 of them, and the rope part in bf16. The host pool's item_bytes and the
+# swap-in kernel's row size are that width.
+KV_LORA_RANK = 512
+QK_ROPE_HEAD_DIM = 64
+FP8_QUANT_BLOCK = 128
+KV_CACHE_DTYPES = ("bfloat16", "fp8_e4m3")
 
-    cfg = json.loads(config_json) if config_json else {}
-    built = compile_variants(**cfg)
+
+def row_bytes(kv_cache_dtype: str) -> int:
+    """Bytes per token row of the DSA KV pool (bf16: 1152, fp8_e4m3: 656)."""
+    if kv_cache_dtype == "bfloat16":
+        return (KV_LORA_RANK + QK_ROPE_HEAD_DIM) * 2
+    if kv_cache_dtype == "fp8_e4m3":
+        return KV_LORA_RANK + KV_LORA_RANK // FP8_QUANT_BLOCK * 4 + QK_ROPE_HEAD_DIM * 2
+    raise ValueError(
+        f"--kv-cache-dtype must be one of {list(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}"
+    )
+
+
+# DeepSeek-V3.2's index_topk, for a --kernel-config that names no top_k
+# (doctor has no model to read it from).
+DEFAULT_TOP_K = 2048
+
+
+def kernel_variant_request(config_json: str | None, kv_cache_dtype: str, layout: str) -> dict:
+    """The keyword arguments of the serving variants for this config.
+
+    ``config_json`` is parsed by the ``--hisparse-config`` parser (unknown
+    keys and bad values raise HiSparseConfigError listing what is allowed)
+    and resolved as a server would resolve it.
+    """
+    from sglang_hisparse.config import parse_hisparse_config
+    from sglang_hisparse.kernels import C4_ITEM_BYTES
+
+    config = parse_hisparse_config(config_json)
+    config = config.resolve(DEFAULT_TOP_K if config.top_k is None else config.top_k)
+    item_bytes = C4_ITEM_BYTES if layout == "dsv4_c4" else row_bytes(kv_cache_dtype)
+    return dict(
+        top_k=config.top_k,
+        hot_buffer_size=config.device_buffer_size,
+        item_bytes=item_bytes,
+        layout=layout,
+        block_size=config.swap_in_block_size,
+    )
+
+
+def _serving_only(compile_variants) -> dict:
+    # Serving builds the plain swap-in only: no plan recording, skip-IO or
+    # timing probe, no copy-only replay kernel (benchmarks and tests build
+    # those). Say so explicitly for every such switch compile_variants has,
+    # whatever its defaults are.
+    params = inspect.signature(compile_variants).parameters
+    axes = {name: (False,) for name in ("record_plan", "skip_io", "probe") if name in params}
+    flags = {name: False for name in ("copy_planned",) if name in params}
+    return {**axes, **flags}
+
+
+def run_kernel_warmup(config_json: str | None, kv_cache_dtype: str = "bfloat16",
+                      layout: str = "rows", out=sys.stdout, err=sys.stderr) -> int:
+    from sglang_hisparse.config import FLAG, HiSparseConfigError
+
+    try:
+        request = kernel_variant_request(config_json, kv_cache_dtype, layout)
+    except HiSparseConfigError as exc:
+        # The same parser and messages as the server's flag, named as ours.
+        print(str(exc).replace(FLAG, "doctor --kernel-config"), file=err)
+        return 2
+    except ValueError as exc:
+        print(f"doctor --kernels: {exc}", file=err)
+        return 2
+    from sglang_hisparse import kernels
+
+    if not kernels.nvcc_available():
+        print("doctor --kernels: nvcc not found (put it on PATH or set CUDA_HOME); "
+              "no kernel was compiled", file=err)
+        return 1
+    try:
+        built = kernels.compile_variants(**request, **_serving_only(kernels.compile_variants))
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        print(f"doctor --kernels: build failed: {type(exc).__name__}: {first}", file=err)
+        return 1
     for name in built:
         print(f"  compiled {name}", file=out)
     return 0
@@ -77,17 +240,42 @@ def main(argv: list[str] | None = None) -> int:
         help="directory that holds an sglang package (default: the installed one)",
     )
     parser.add_argument(
+        "-v", "--verbose",
+        action="store_true",
+        help="also print each entry's full reasons, REPLACE behaviour lines, tests, upstream",
+    )
+    parser.add_argument(
         "--kernels",
         action="store_true",
-        help="also compile every JIT kernel variant the given config needs",
+        help="also compile the swap-in kernel variants a server with this config builds",
     )
     parser.add_argument(
         "--kernel-config",
         default=None,
-        help='JSON for the kernel variants, e.g. {"top_k": 2048, "hot_buffer_size": 4096}',
+        help="--hisparse-config JSON for --kernels, e.g. "
+             '\'{"top_k": 2048, "device_buffer_size": 4096}\' '
+             f"(top_k defaults to {DEFAULT_TOP_K}, DeepSeek-V3.2's index_topk)",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default=None,
+        help="the server's --kv-cache-dtype, which sets the row size "
+             f"(bfloat16: {row_bytes('bfloat16')} B, fp8_e4m3: {row_bytes('fp8_e4m3')} B)",
+    )
+    parser.add_argument(
+        "--layout",
+        choices=("rows", "dsv4_c4"),
+        default="rows",
+        help="rows: DSA models (DeepSeek-V3.2, GLM-5); dsv4_c4: DeepSeek-V4's C4 pages",
     )
     args = parser.parse_args(argv)
-    rc = run_doctor(args.sglang_root)
+    if not args.kernels and (
+        args.kernel_config is not None or args.kv_cache_dtype is not None or args.layout != "rows"
+    ):
+        parser.error("--kernel-config, --kv-cache-dtype and --layout need --kernels")
+    rc = run_doctor(args.sglang_root, verbose=args.verbose)
     if args.kernels:
-        rc = max(rc, run_kernel_warmup(args.kernel_config))
+        rc = max(rc, run_kernel_warmup(
+            args.kernel_config, args.kv_cache_dtype or "bfloat16", args.layout))
     return rc

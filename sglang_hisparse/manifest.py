@@ -1,9 +1,10 @@
-"""Every place where sglang-hisparse touches SGLang, as data.
+"""Every place where sglang-hisparse touches or leans on SGLang, as data.
 
-Each :class:`Entry` says what is changed (``target``), how (``kind``), which
-exact source it was written against (``sha256`` per SGLang release), why, and
-when upstream made it unnecessary (``native_in``). The loader refuses to
-activate anything unless every entry checks out against the installed SGLang;
+Each :class:`Entry` says what is changed or relied on (``target``), how
+(``kind``), which exact source it was written against (``sha256`` per SGLang
+release), why, which SGLang process runs the target (``process``), and when
+upstream made it unnecessary (``native_in``). The loader refuses to activate
+anything unless every entry checks out against the installed SGLang;
 ``python -m sglang_hisparse doctor`` prints the same checks. A pin upgrade is a
 rebase of this list: ``scripts/rebase.py`` re-hashes the targets on the new
 release, re-applies the source patches and reports what needs a human.
@@ -18,12 +19,27 @@ Kinds:
                                      applied to the target's source in memory,
                                      compiled in the target's module and installed
                                      as a REPLACE (code a hook cannot reach).
+  DEPENDS                            hash only, nothing is installed: an SGLang
+                                     function that calls into our code (the
+                                     coordinator's, allocator's and pools' call
+                                     sites) or whose logic our code mirrors
+                                     (PrefillAdder's costing, ``_pre_alloc``'s
+                                     fill length, ``release_req``'s order).
+                                     ``relied_on_by`` names our code that a
+                                     person must re-read when it changes. A
+                                     target already hashed by a hook entry (e.g.
+                                     ``Scheduler.get_next_batch_to_run``) gets
+                                     no DEPENDS entry: every target is listed once.
+
+Every entry is checked the same way (all or nothing at activation; a changed
+DEPENDS target refuses activation on that release exactly like a changed
+hook target).
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 class Kind(str, enum.Enum):
@@ -33,6 +49,12 @@ class Kind(str, enum.Enum):
     REPLACE = "REPLACE"
     PROPERTY = "PROPERTY"
     SOURCE_PATCH = "SOURCE_PATCH"
+    DEPENDS = "DEPENDS"
+
+    @property
+    def installs(self) -> bool:
+        """Whether the loader installs something for this kind (DEPENDS: hash only)."""
+        return self is not Kind.DEPENDS
 
 
 class Scope(str, enum.Enum):
@@ -44,17 +66,46 @@ class Scope(str, enum.Enum):
     DATA_PLANE = "data_plane"
 
 
+class Process(str, enum.Enum):
+    """Which SGLang process runs the target (``load_plugins()`` installs every
+    hook in both, so this says where an entry's effect is, and whose log shows
+    its errors)."""
+
+    # The process that parses the arguments and starts the rest
+    # (``python -m sglang.launch_server``, or the caller of ``sglang.Engine``):
+    # ServerArgs.__post_init__ and check_server_args run only here (scheduler
+    # processes receive the checked ServerArgs pickled).
+    LAUNCHER = "launcher"
+    # Every scheduler subprocess (one per TP/PP rank): model runner, pools,
+    # coordinator, scheduler loop, attention backends.
+    SCHEDULER = "scheduler"
+    # Both: only SGLang's plugin loading, which installs this manifest in the
+    # launcher and again first thing in every scheduler subprocess. No hook
+    # target runs in both (checked against 0.5.13's callers).
+    BOTH = "both"
+
+
 @dataclass(frozen=True)
 class Entry:
     target: str
     kind: Kind
     sha256: dict[str, str]  # SGLang version -> sha256 of the target's source
-    why: str
+    why: str  # hooks: why we change it; DEPENDS: what we rely on (one line)
     native_in: str | None  # upstream release where the behaviour became native
-    impl: str | None = None  # "module:attr" of our hook; None for SOURCE_PATCH
+    process: Process
+    impl: str | None = None  # "module:attr" of our hook; None for SOURCE_PATCH / DEPENDS
     upstream: str = ""  # where upstream did it (release file:line, PR)
     scope: Scope = Scope.ALWAYS
     removal: str = ""  # what to do with this entry once the pin passes native_in
+    # REPLACE (and SOURCE_PATCH): one line per behaviour that differs from the
+    # target it replaces, as a user or an SGLang caller would notice it.
+    behaviour: tuple[str, ...] = ()
+    # DEPENDS: our code ("module:qualname") that mirrors or is called by the target.
+    relied_on_by: tuple[str, ...] = ()
+    # Test modules (paths from the repository root) that cover the entry; for
+    # DEPENDS, those that run the target or our mirror of it (the hash itself
+    # is checked by tests/test_manifest.py).
+    tests: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -64,8 +115,36 @@ class Entry:
 _SCHED = "sglang.srt.managers.scheduler.Scheduler"
 _HISPARSE_HOOK = "sglang.srt.arg_groups.hisparse_hook"
 _FACTORY = "sglang.srt.mem_cache.sparsity.factory"
+_MR = "sglang.srt.model_executor.model_runner.ModelRunner"
+_KV_MIXIN = "sglang.srt.model_executor.model_runner_kv_cache_mixin.ModelRunnerKVCacheMixin"
+_GRAPH = "sglang.srt.model_executor.cuda_graph_runner.CudaGraphRunner"
+_BATCH_MOD = "sglang.srt.managers.schedule_batch"
+_BATCH = f"{_BATCH_MOD}.ScheduleBatch"
+_REQ = f"{_BATCH_MOD}.Req"
+_ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder"
+_BRP = (
+    "sglang.srt.managers.scheduler_components.batch_result_processor."
+    "SchedulerBatchResultProcessor"
+)
+_POOL_STATS = (
+    "sglang.srt.managers.scheduler_components.pool_stats_observer.SchedulerPoolStatsObserver"
+)
+_COMMON = "sglang.srt.mem_cache.common"
+_DECODE = "sglang.srt.disaggregation.decode"
+_PREALLOC = f"{_DECODE}.DecodePreallocQueue"
+_DECODE_MIXIN = f"{_DECODE}.SchedulerDisaggregationDecodeMixin"
+_DSA = "sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend"
+_SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
 
-ENTRIES: tuple[Entry, ...] = (
+# Our side, as named in relied_on_by.
+_COORD = "sglang_hisparse.adapter.model_runner:HiSparseCoordinator"
+_ALLOC = "sglang_hisparse.pools.allocator:HiSparseDualAllocator"
+_RETAIN = "sglang_hisparse.engine.policies.retain_on_retract:RetainOnRetract"
+_DEMAND = "sglang_hisparse.adapter.scheduler:scheduler_prefill_demand"
+_COUNT = "sglang_hisparse.engine.streams:RealRequestCount"
+
+# Everything the loader installs.
+HOOKS: tuple[Entry, ...] = (
     Entry(
         target=f"{_SCHED}._build_hisparse_decode_batch",
         kind=Kind.SOURCE_PATCH,
@@ -90,6 +169,12 @@ ENTRIES: tuple[Entry, ...] = (
             "on a pin >= 0.5.15 drop the req_pool_indices_cpu hunk; keep the "
             "token_ids_logprobs hunk until upstream fixes it"
         ),
+        process=Process.SCHEDULER,
+        behaviour=(
+            "the staged-to-decode batch carries req_pool_indices_cpu (0.5.13 leaves None)",
+            "token_ids_logprobs holds the ids each request asked for, not its whole prompt",
+        ),
+        tests=("tests/test_plugin.py",),
     ),
     Entry(
         target=f"{_HISPARSE_HOOK}.validate_hisparse",
@@ -105,7 +190,7 @@ ENTRIES: tuple[Entry, ...] = (
             "every problem in one ValueError."
         ),
         native_in=None,
-        impl="sglang_hisparse.arg_hooks.validation:validate_hisparse",
+        impl="sglang_hisparse.adapter.args:validate_hisparse",
         upstream=(
             "0.5.23 srt/arg_groups/hisparse_hook.py:87-165 (mixed-chunk rule; "
             "speculative decoding allowed with topk 1 from 0.5.22, when its "
@@ -116,6 +201,16 @@ ENTRIES: tuple[Entry, ...] = (
             "upgrade re-hash and retarget (0.5.23 calls it from "
             "arg_groups/overrides.py:_hisparse_validation)"
         ),
+        process=Process.LAUNCHER,
+        behaviour=(
+            "--hisparse-config is parsed by sglang_hisparse.config: invalid JSON, "
+            "unknown keys, non-integer or out-of-range sizes are errors",
+            "rejects --enable-mixed-chunk, speculative decoding and --pp-size > 1",
+            "rejects swap-in sizes the kernel cannot run (slots per thread, shared memory)",
+            "every problem in one ValueError naming the flag/field and allowed values "
+            "(0.5.13 asserts one at a time)",
+        ),
+        tests=("tests/test_arg_hooks.py", "tests/test_config.py"),
     ),
     Entry(
         target=f"{_HISPARSE_HOOK}.apply_hisparse_dsa_backend_defaults",
@@ -125,12 +220,12 @@ ENTRIES: tuple[Entry, ...] = (
             "Same defaults as 0.5.13 (bfloat16 -> flashmla_sparse, fp8_e4m3 -> "
             "flashmla_kv). Replaced so the backend we default to and the backend "
             "validate_hisparse accepts come from one table "
-            "(sglang_hisparse.arg_hooks.backends) and cannot drift apart."
+            "(sglang_hisparse.dsa_backends) and cannot drift apart."
         ),
         # The defaults themselves are native; the entry lives as long as our
         # validate_hisparse does, so it is not dropped by release.
         native_in=None,
-        impl="sglang_hisparse.arg_hooks.backends:apply_hisparse_dsa_backend_defaults",
+        impl="sglang_hisparse.adapter.args:apply_hisparse_dsa_backend_defaults",
         upstream=(
             "0.5.13 srt/arg_groups/hisparse_hook.py:23-46; 0.5.23 moved it into "
             "arg_groups/overrides.py:_dsa_split_backend_resolution (677-706)"
@@ -139,6 +234,14 @@ ENTRIES: tuple[Entry, ...] = (
             "droppable together with our validate_hisparse only; while that is "
             "ours, keep this so both read backends.DSA_BACKEND_BY_KV_CACHE_DTYPE"
         ),
+        process=Process.LAUNCHER,
+        behaviour=(
+            "same defaults as 0.5.13, read from sglang_hisparse.dsa_backends (the "
+            "table validate_hisparse checks against)",
+            "an unsupported KV dtype leaves the backends alone (validation names it) "
+            "instead of asserting here",
+        ),
+        tests=("tests/test_arg_hooks.py",),
     ),
     Entry(
         target=f"{_FACTORY}.parse_hisparse_config",
@@ -154,7 +257,7 @@ ENTRIES: tuple[Entry, ...] = (
             "swap_in_block_size in sparse_extra_config."
         ),
         native_in=None,
-        impl="sglang_hisparse.arg_hooks.sparse_config:parse_hisparse_config",
+        impl="sglang_hisparse.adapter.args:parse_hisparse_config",
         upstream=(
             "0.5.23 srt/mem_cache/sparsity/factory.py:62-117 (adds "
             "swap_in_block_size, still no key or type checks; no server_args "
@@ -164,6 +267,14 @@ ENTRIES: tuple[Entry, ...] = (
             "keep; on a pin >= 0.5.19 the signature is parse_hisparse_config() "
             "and our replacement must read get_memory() instead of server_args"
         ),
+        process=Process.SCHEDULER,
+        behaviour=(
+            "same rules and errors as the startup check (unknown keys, bools, "
+            "device_buffer_size < top_k)",
+            "top_k is the model's index_topk (0.5.13: 2048 unless given)",
+            "swap_in_block_size travels in sparse_extra_config",
+        ),
+        tests=("tests/test_arg_hooks.py", "tests/test_config.py"),
     ),
     # --- data plane (issue 3): our allocator / coordinator replace the native ones.
     Entry(
@@ -178,10 +289,27 @@ ENTRIES: tuple[Entry, ...] = (
             "hands retraction snapshots over as host rows (0.5.13 raises: sglang#40729)."
         ),
         native_in=None,
-        impl="sglang_hisparse.allocator:HiSparseDualAllocator",
+        impl="sglang_hisparse.pools.allocator:HiSparseDualAllocator",
         upstream="0.5.23 srt/mem_cache/allocator/hisparse.py:22-299",
         scope=Scope.DATA_PLANE,
         removal="keep: admission accounting is not upstream",
+        process=Process.SCHEDULER,
+        behaviour=(
+            "available_size() holds back hot-buffer growth, the newest-token page, "
+            "per-prefill claims and the host rows live requests still need",
+            "available_size() counts the rows demoting residents would free; "
+            "alloc/alloc_extend demote the largest residents when rows run short",
+            "hisparse_attn_allocator / logical_attn_allocator report the same "
+            "held-back budgets to the PD decode prealloc",
+            "logical_capacity: the host-backed logical space (max_token_pool_size)",
+            "get_cpu_copy / load_cpu_copy hand a PD-decode retraction over as "
+            "retained host rows (0.5.13 raises)",
+        ),
+        tests=(
+            "tests/test_allocator.py",
+            "tests/test_residency.py",
+            "tests/test_disaggregation.py",
+        ),
     ),
     Entry(
         target="sglang.srt.mem_cache.hisparse_memory_pool.HiSparseDSATokenToKVPool",
@@ -196,13 +324,23 @@ ENTRIES: tuple[Entry, ...] = (
             "or asked for a retraction snapshot."
         ),
         native_in=None,
-        impl="sglang_hisparse.device_pool:HiSparseDSADevicePool",
+        impl="sglang_hisparse.pools.device_dsa:HiSparseDSADevicePool",
         upstream=(
             "0.5.13 srt/mem_cache/hisparse_memory_pool.py:38-132 (the class we "
             "replace); later releases not re-checked for this entry"
         ),
         scope=Scope.DATA_PLANE,
         removal="keep while the data plane is ours",
+        process=Process.SCHEDULER,
+        behaviour=(
+            "same buffers, shapes and dtypes as 0.5.13; latent rows sized for the "
+            "physical space, indexer K for the logical space",
+            "every read/write location translated logical -> physical through the "
+            "allocator's mapping (held by weakref proxy); -1 padding stays -1",
+            "a clear error when used before a mapping is registered or asked for a "
+            "retraction snapshot (get_cpu_copy)",
+        ),
+        tests=("tests/test_device_pool.py",),
     ),
     Entry(
         target="sglang.srt.managers.hisparse_coordinator.HiSparseCoordinator",
@@ -215,10 +353,38 @@ ENTRIES: tuple[Entry, ...] = (
             "retracted on a PD decode node keeps its KV on host and resumes from it."
         ),
         native_in=None,
-        impl="sglang_hisparse.coordinator:HiSparseCoordinator",
+        impl="sglang_hisparse.adapter.model_runner:HiSparseCoordinator",
         upstream="0.5.23 srt/managers/hisparse_coordinator.py:533-1637",
         scope=Scope.DATA_PLANE,
         removal="keep while the data plane is ours",
+        process=Process.SCHEDULER,
+        behaviour=(
+            "residency: a request past prefill keeps its whole KV on the GPU (no host "
+            "IO, the swap-in only translates) while rows allow; when rows run short "
+            "the largest residents are demoted to hot buffers "
+            "(SGLANG_HISPARSE_RESIDENCY=0: stage every request)",
+            "parking: a staged request whose hot buffer would take rows the next "
+            "prefill needs waits on host holding no GPU row, and joins first come "
+            "first served once rows allow (SGLANG_HISPARSE_PARKING=0: join at once)",
+            "PD-decode retraction keeps the request's KV in the host pool and resumes "
+            "from it (0.5.13 raises: sglang#40729)",
+            "an exhausted host pool makes admission wait and retry (0.5.13 crashes)",
+            "release is idempotent in every state (waiting, staging, parked, resident, "
+            "running, retracted) and returns every host and device row",
+            "num_real_reqs is a RealRequestCount object, not a tensor: fill_(n) skips "
+            "a write that would not change it, .tensor is the int32 [1] the kernel "
+            "reads; SGLang code that uses it as a tensor beyond fill_ breaks",
+            "swap-in runs sglang_hisparse.kernels (our JIT kernel; the torch "
+            "reference on CPU), never 0.5.13's jit_kernel.hisparse",
+            "hit/miss/byte counters for the decode log line and Prometheus; destroy()",
+        ),
+        tests=(
+            "tests/test_coordinator.py",
+            "tests/test_residency.py",
+            "tests/test_parking.py",
+            "tests/test_disaggregation.py",
+            "tests/test_soak.py",
+        ),
     ),
     Entry(
         target="sglang.srt.model_executor.model_runner.ModelRunner.max_token_pool_size",
@@ -229,10 +395,12 @@ ENTRIES: tuple[Entry, ...] = (
             "host-backed logical space is the limit."
         ),
         native_in="0.5.19",
-        impl="sglang_hisparse.hooks:model_runner_max_token_pool_size",
+        impl="sglang_hisparse.adapter.model_runner:model_runner_max_token_pool_size",
         upstream="0.5.23 srt/model_executor/model_runner.py:1516-1524",
         scope=Scope.DATA_PLANE,
         removal="drop on a pin >= 0.5.19 (logical max-req-len is native)",
+        process=Process.SCHEDULER,
+        tests=("tests/test_coordinator.py",),
     ),
     Entry(
         target=f"{_SCHED}.abort_request",
@@ -244,10 +412,12 @@ ENTRIES: tuple[Entry, ...] = (
             "retracted request keeps) and loses aborts of requests still staging."
         ),
         native_in=None,
-        impl="sglang_hisparse.hooks:scheduler_abort_request",
+        impl="sglang_hisparse.adapter.scheduler:scheduler_abort_request",
         upstream="0.5.23 srt/managers/scheduler.py:5708-5709 (PD waiting queue only)",
         scope=Scope.DATA_PLANE,
         removal="keep the staging part; the PD part is native from 0.5.22",
+        process=Process.SCHEDULER,
+        tests=("tests/test_coordinator.py", "tests/test_disaggregation.py"),
     ),
     Entry(
         target=f"{_SCHED}.get_next_batch_to_run",
@@ -261,10 +431,12 @@ ENTRIES: tuple[Entry, ...] = (
             "by prefill rows."
         ),
         native_in=None,
-        impl="sglang_hisparse.hooks:scheduler_get_next_batch_to_run",
+        impl="sglang_hisparse.adapter.scheduler:scheduler_get_next_batch_to_run",
         upstream="none: 0.5.23 joins every staged request at once (srt/managers/scheduler.py:3923)",
         scope=Scope.DATA_PLANE,
         removal="keep while the data plane is ours",
+        process=Process.SCHEDULER,
+        tests=("tests/test_parking.py",),
     ),
     Entry(
         target=(
@@ -279,10 +451,12 @@ ENTRIES: tuple[Entry, ...] = (
             "Prometheus counters under --enable-metrics (0.5.13 exports none)."
         ),
         native_in=None,
-        impl="sglang_hisparse.metrics:decode_usage_msg_parts",
+        impl="sglang_hisparse.adapter.metrics:decode_usage_msg_parts",
         upstream="none: 0.5.23 logs token counts only (pool_stats_observer.py:138-143)",
         scope=Scope.DATA_PLANE,
         removal="keep",
+        process=Process.SCHEDULER,
+        tests=("tests/test_metrics.py",),
     ),
     Entry(
         target=(
@@ -299,10 +473,16 @@ ENTRIES: tuple[Entry, ...] = (
             "scheduler CPU on small models)."
         ),
         native_in=None,
-        impl="sglang_hisparse.metrics:pool_stats_with_hisparse",
+        impl="sglang_hisparse.adapter.metrics:pool_stats_with_hisparse",
         upstream="none: 0.5.23 still copies (pool_stats_observer.py:248-259)",
         scope=Scope.DATA_PLANE,
         removal="keep while the copy is upstream; drop if get_pool_stats stops building fresh stats",
+        process=Process.SCHEDULER,
+        behaviour=(
+            "sets the HiSparse fields on the PoolStats get_pool_stats just built "
+            "instead of copying it with dataclasses.replace",
+        ),
+        tests=("tests/test_coordinator.py", "tests/test_metrics.py"),
     ),
     # --- data plane, DeepSeek-V4 (C4 layers): allocator and C4 device pool.
     Entry(
@@ -320,10 +500,23 @@ ENTRIES: tuple[Entry, ...] = (
             "reservation logic (in C4 rows)."
         ),
         native_in=None,
-        impl="sglang_hisparse.dsv4:DSV4HiSparseAllocator",
+        impl="sglang_hisparse.pools.allocator_c4:DSV4HiSparseAllocator",
         upstream="0.5.23 srt/mem_cache/allocator/hisparse.py:302-670",
         scope=Scope.DATA_PLANE,
         removal="keep while the data plane is ours",
+        process=Process.SCHEDULER,
+        behaviour=(
+            "free() frees the C4 rows of a request released before staging "
+            "(finished at prefill, aborted, retracted); 0.5.13 leaks them",
+            "each hot buffer is exactly need_size / c4_page_size pages (0.5.13 pins "
+            "an extra C4 page per long buffer)",
+            "backup_state / restore_state / merge_and_sort_free work (0.5.13: base "
+            "class, None free lists)",
+            "admission accounting for hot buffers and host rows, in C4 rows, shared "
+            "with the DSA allocator",
+            "PD-decode retraction stays unsupported: get_cpu_copy raises as in 0.5.13",
+        ),
+        tests=("tests/test_dsv4.py",),
     ),
     Entry(
         target="sglang.srt.mem_cache.deepseek_v4_memory_pool.HiSparseC4DevicePool",
@@ -336,12 +529,462 @@ ENTRIES: tuple[Entry, ...] = (
             "translation as 0.5.13; replaced so the whole C4 data plane is ours."
         ),
         native_in=None,
-        impl="sglang_hisparse.dsv4:DSV4C4DevicePool",
+        impl="sglang_hisparse.pools.device_c4:DSV4C4DevicePool",
         upstream="0.5.23 srt/mem_cache/deepseek_v4_memory_pool.py:437-527",
         scope=Scope.DATA_PLANE,
         removal="keep while the data plane is ours",
+        process=Process.SCHEDULER,
+        behaviour=(
+            "same buffers, data_ptrs and translation as 0.5.13; the mapping comes "
+            "from our DSV4 allocator",
+        ),
+        tests=("tests/test_dsv4.py",),
     ),
 )
+
+
+def _depends(
+    target: str,
+    why: str,
+    relied_on_by: tuple[str, ...],
+    *,
+    sha256: dict[str, str],
+    process: Process = Process.SCHEDULER,
+    scope: Scope = Scope.DATA_PLANE,
+    tests: tuple[str, ...] = (),
+) -> Entry:
+    return Entry(
+        target=target,
+        kind=Kind.DEPENDS,
+        sha256=sha256,
+        why=why,
+        native_in=None,
+        process=process,
+        scope=scope,
+        relied_on_by=relied_on_by,
+        tests=tests,
+        removal=(
+            "hash only: re-read relied_on_by when the target changes; drop with "
+            "the code that relies on it"
+        ),
+    )
+
+
+# DEPENDS: the SGLang code our code is called from or mirrors, hashed so that
+# a release that changes it fails doctor and activation until a person has
+# re-read our side. Hashes come from `scripts/rebase.py --hash TARGET...`.
+DEPENDS: tuple[Entry, ...] = (
+    # --- plugin loading: how our hooks get installed (and taken back).
+    _depends(
+        "sglang.srt.plugins.hook_registry.HookRegistry",
+        "register/apply_hooks install BEFORE/AFTER/AROUND/REPLACE; a failing target "
+        "is logged and skipped; no unregister, so rollback edits _hooks/_patched",
+        (
+            "sglang_hisparse.adapter.hook_registry:install",
+            "sglang_hisparse.adapter.hook_registry:rollback",
+        ),
+        sha256={"0.5.13": "20d372c788e3b5d3cc53094aab8dda89e7abdcb25480d2ac3cd247f104f03c95"},
+        process=Process.BOTH,
+        scope=Scope.ALWAYS,
+        tests=("tests/test_plugin.py",),
+    ),
+    _depends(
+        "sglang.srt.plugins.hook_registry._propagate_patch",
+        "a replaced object is rebound in every module that imported it by name "
+        "(rollback walks sys.modules back)",
+        ("sglang_hisparse.adapter.hook_registry:rollback",),
+        sha256={"0.5.13": "49c03f76266054fb81be18c81c89419c60716d79bf7857729c2aff0e762d5e61"},
+        process=Process.BOTH,
+        scope=Scope.ALWAYS,
+        tests=("tests/test_plugin.py",),
+    ),
+    _depends(
+        "sglang.srt.plugins.load_plugins",
+        "calls our register() once per process (SGLANG_PLUGINS whitelist), then "
+        "apply_hooks() again: a rolled-back hook must not stay registered",
+        ("sglang_hisparse.plugin:register", "sglang_hisparse.adapter.hook_registry:rollback"),
+        sha256={"0.5.13": "cd2a423a31293f61ca0e01cfeb4ca9ba554b8be1b464e0130cec49aca18fa89e"},
+        process=Process.BOTH,
+        scope=Scope.ALWAYS,
+        tests=("tests/test_plugin.py", "tests/test_packaging.py"),
+    ),
+    # --- the launcher: where SGLang calls our argument hooks.
+    _depends(
+        f"{_SERVER_ARGS}.check_server_args",
+        "calls hisparse_hook.validate_hisparse(self) through a function-local "
+        "import (our REPLACE) in the launcher, before any weights load",
+        ("sglang_hisparse.adapter.args:validate_hisparse",),
+        sha256={"0.5.13": "652bbd0a9f2af08da14766e50961f0899a7d826827c551f0005e9295e91d73d4"},
+        process=Process.LAUNCHER,
+        scope=Scope.ALWAYS,
+        tests=("tests/test_arg_hooks.py",),
+    ),
+    _depends(
+        f"{_SERVER_ARGS}._set_default_dsa_backends",
+        "calls apply_hisparse_dsa_backend_defaults(self, user_set_prefill, "
+        "user_set_decode, kv_cache_dtype) with the resolved dtype and skips its "
+        "own defaults when it returns True",
+        ("sglang_hisparse.adapter.args:apply_hisparse_dsa_backend_defaults",),
+        sha256={"0.5.13": "c8632fcffa7bf64eb9451614e41f01e0143e12b175cdc0e8339d883433302343"},
+        process=Process.LAUNCHER,
+        scope=Scope.ALWAYS,
+        tests=("tests/test_arg_hooks.py",),
+    ),
+    # --- the model runner: pools, coordinator, per-step calls.
+    _depends(
+        f"{_MR}.initialize",
+        "builds the coordinator (cuda/musa only, before init_attention_backend and "
+        "graph capture) with 0.5.13's fixed keywords from parse_hisparse_config; "
+        "top_k = the model's index_topk",
+        (_COORD, "sglang_hisparse.adapter.args:parse_hisparse_config"),
+        sha256={"0.5.13": "614b8f67955d462966efd7759b979ed27fc4dd51cf3795d4b9bd7aad018e803f"},
+        scope=Scope.ALWAYS,
+    ),
+    _depends(
+        f"{_MR}._forward_raw",
+        "each decode forward calls wait_for_pending_backup() then "
+        "num_real_reqs.fill_(batch_size) before graph replay; eager forwards fill again",
+        (f"{_COORD}.wait_for_pending_backup", f"{_COUNT}.fill_"),
+        sha256={"0.5.13": "d4ec46d186a0ccc3feea9bf5212cda2ea78671784cc7d92a4d3b1f7ce14ccb3a"},
+        tests=("tests/test_coordinator.py",),
+    ),
+    _depends(
+        f"{_GRAPH}.capture_one_batch_size",
+        "fills num_real_reqs with the captured batch size; the graph keeps the "
+        "address of num_real_reqs' tensor, so it must never be reallocated",
+        (f"{_COUNT}.fill_",),
+        sha256={"0.5.13": "da9bc954a5b1e14906f08ddbcbc89b9a741d625f9f86c1b36e74c5b6a532c00e"},
+    ),
+    _depends(
+        f"{_GRAPH}.replay_prepare",
+        "fills num_real_reqs with the unpadded batch size before each replay "
+        "(rows past it are padding the kernel skips)",
+        (f"{_COUNT}.fill_",),
+        sha256={"0.5.13": "543a3280f1af16965566c26dcfc5e676b1894a5007e3323c853ebbbc2c2cf00d"},
+    ),
+    _depends(
+        f"{_KV_MIXIN}._init_pools",
+        "constructs the DSA device pool, the dual allocator and the DSV4 allocator "
+        "with fixed keywords (class REPLACE targets), host_to_device_ratio from "
+        "parse_hisparse_config",
+        (
+            _ALLOC,
+            "sglang_hisparse.pools.device_dsa:HiSparseDSADevicePool",
+            "sglang_hisparse.pools.allocator_c4:DSV4HiSparseAllocator",
+            "sglang_hisparse.adapter.args:parse_hisparse_config",
+        ),
+        sha256={"0.5.13": "23bd522f503a62b8a1848f2bc313752cdb3a6ac630dfea77313cdb7dd95323ea"},
+        scope=Scope.ALWAYS,
+        tests=("tests/test_allocator.py", "tests/test_device_pool.py", "tests/test_dsv4.py"),
+    ),
+    _depends(
+        f"{_KV_MIXIN}.calculate_mla_kv_cache_dim",
+        "DSA row width: 576 values (bf16: 1152 B), FP8 512 + 512/128*4 + 64*2 = 656 B; "
+        "the host pool's item_bytes and doctor's kernel item bytes follow it",
+        ("sglang_hisparse.doctor:row_bytes", "sglang_hisparse.pools.host:HiSparseMLAHostPool"),
+        sha256={"0.5.13": "a500fd913abc15ed01cd201ec6fe22ef18781f4f00dab48fef8f6d09d8b8927a"},
+        tests=("tests/test_host_pool.py", "tests/test_doctor.py"),
+    ),
+    _depends(
+        "sglang.srt.model_executor.pool_configurator.DSV4PoolConfigurator.__init__",
+        "DeepSeek-V4 C4 pool shrink factor = parse_hisparse_config(...).host_to_device_ratio",
+        (
+            "sglang_hisparse.adapter.args:parse_hisparse_config",
+            "sglang_hisparse.pools.allocator_c4:DSV4HiSparseAllocator",
+        ),
+        sha256={"0.5.13": "add506a72eefb9df1cb0396b9911f1eb66eac0aea7b60669ff20359613354037"},
+        scope=Scope.ALWAYS,
+    ),
+    # --- the scheduler.
+    _depends(
+        f"{_SCHED}.__init__",
+        "takes the coordinator from tp_worker.model_runner and calls "
+        "set_decode_producer_stream(self.forward_stream)",
+        (f"{_COORD}.set_decode_producer_stream",),
+        sha256={"0.5.13": "9291dc1025524297e43a348987eb2a907ce254817bd4334e3ef9db075b2a57bc"},
+    ),
+    _depends(
+        f"{_SCHED}.is_fully_idle",
+        "the scheduler is not idle while has_ongoing_staging()",
+        (f"{_COORD}.has_ongoing_staging",),
+        sha256={"0.5.13": "a49c3c38d4869b2bb891ee2ede09e81b32b807e868879e8a4ea676c96e4e025d"},
+    ),
+    _depends(
+        f"{_SCHED}._get_new_batch_prefill_raw",
+        "PrefillAdder built with new_token_ratio_tracker.current, the chunked "
+        "request added first, then the waiting queue in policy order",
+        (_DEMAND,),
+        sha256={"0.5.13": "51d61d50eb5e2a4025e3da90090ab36f98a08e465447e3c7915776d2a3bd03a4"},
+        tests=("tests/test_parking.py",),
+    ),
+    _depends(
+        f"{_ADDER}.__init__",
+        "rem_total_token_offset starts at the running requests' expected tokens; "
+        "the DSV4 allocator class is looked up by name at call time",
+        (_DEMAND, "sglang_hisparse.pools.allocator_c4:DSV4HiSparseAllocator"),
+        sha256={"0.5.13": "d40a779e0ce6862731757476bf9728276b82fcec28e390852e47611735a5ae9e"},
+        tests=("tests/test_parking.py", "tests/test_dsv4.py"),
+    ),
+    _depends(
+        f"{_ADDER}._get_running_request_total_token_offset",
+        "a running request costs min(max_new_tokens - outputs, CLIP_MAX_NEW_TOKENS) "
+        "* new_token_ratio",
+        (_DEMAND,),
+        sha256={"0.5.13": "0e6defc9e39d5fcd5ddf12eeb8b1b6e4ac95b79b51af19114d9ffa4dd68091e4"},
+        tests=("tests/test_parking.py",),
+    ),
+    _depends(
+        f"{_ADDER}.add_one_req",
+        "a waiting request costs extend_input_len + min(max_new_tokens - outputs, "
+        "CLIP_MAX_NEW_TOKENS) + page_size and is admitted while that is < rem_total_tokens",
+        (_DEMAND,),
+        sha256={"0.5.13": "894707e54608c255d8ab8b915fce18b3bbf70d76c5ab8d43e703d4a9afac4e20"},
+        tests=("tests/test_parking.py",),
+    ),
+    _depends(
+        f"{_ADDER}.rem_total_tokens",
+        "admission budget = allocator available_size() + evictable - offset",
+        (_DEMAND, f"{_ALLOC}.available_size"),
+        sha256={"0.5.13": "42745a3705c644cdc7489e99236385a6fc05a55b9ac0de238127d2c1cf7b1bbe"},
+        tests=("tests/test_parking.py", "tests/test_allocator.py"),
+    ),
+    _depends(
+        f"{_ADDER}.cur_rem_tokens",
+        "the per-batch budget reads allocator available_size() the same way",
+        (f"{_ALLOC}.available_size",),
+        sha256={"0.5.13": "5b16013192b352d9aef43a5b7a6fd0613d24a05357f72a2b6d4e47bd084d9c48"},
+        tests=("tests/test_allocator.py",),
+    ),
+    # --- batches: decode preparation, retraction.
+    _depends(
+        f"{_BATCH}.prepare_for_decode",
+        "after alloc_for_decode and seq_lens += 1 calls map_last_loc_to_buffer(seq_lens, "
+        "out_cache_loc, req_pool_indices, seq_lens_cpu, req_pool_indices_cpu)",
+        (f"{_COORD}.map_last_loc_to_buffer",),
+        sha256={"0.5.13": "ac202a9b1fff8d5b0fe6d5865d155ed418b02fee83506f7a278535f623e231b2"},
+    ),
+    _depends(
+        f"{_BATCH}.check_decode_mem",
+        "retraction starts when allocator available_size() < the next step's tokens",
+        (f"{_ALLOC}.available_size",),
+        sha256={"0.5.13": "9891a1ab2e5b5bf97e1171adabb9b7c97582f002a0ea1869476b34355b593e37"},
+    ),
+    _depends(
+        f"{_BATCH}.retract_decode",
+        "the last request that still does not fit gets to_finish = FINISH_ABORT "
+        "before release_req, so retract_req releases it whole",
+        (f"{_RETAIN}.retains",),
+        sha256={"0.5.13": "f5d51a3128a2fdeb71865e7518f546032d4bde730130f639e111c8880a632d75"},
+        tests=("tests/test_disaggregation.py",),
+    ),
+    _depends(
+        f"{_BATCH_MOD}.release_req",
+        "retract_req (unless finished), then Req.offload_kv_cache (PD decode), then "
+        "release_kv_cache(is_insert=False)",
+        (f"{_COORD}.retract_req", f"{_RETAIN}.retract_to_host"),
+        sha256={"0.5.13": "bd3c33a693d14000a73f42dc5de02872dac1961a614f52cb8dab9a320b5f8a43"},
+        tests=("tests/test_disaggregation.py",),
+    ),
+    _depends(
+        f"{_REQ}.offload_kv_cache",
+        "snapshots req_to_token[: seqlen - 1] through allocator.get_cpu_copy into "
+        "req.kv_cache_cpu",
+        (f"{_ALLOC}.get_cpu_copy", f"{_RETAIN}.retract_to_host", f"{_RETAIN}.take_retained"),
+        sha256={"0.5.13": "8272b8bf98e4139fe89210081b08861ea9f336f99350ab5f707fde79ecc37dd0"},
+        tests=("tests/test_disaggregation.py",),
+    ),
+    _depends(
+        f"{_REQ}.load_kv_cache",
+        "hands kv_cache_cpu and req_to_token[: seqlen - 1] to allocator.load_cpu_copy, "
+        "then drops kv_cache_cpu",
+        (f"{_ALLOC}.load_cpu_copy", f"{_RETAIN}.restore_retained"),
+        sha256={"0.5.13": "289ae8fe62f7b3ba4be8881ee5f9800bf50a6b6999d784add6bd69289b07d5a1"},
+        tests=("tests/test_disaggregation.py",),
+    ),
+    # --- mem_cache/common.py: allocation and release.
+    _depends(
+        f"{_COMMON}.alloc_paged_token_slots_extend",
+        "evicts, takes backup_state() if asked, then alloc_extend(...); None raises "
+        "'Prefill out of memory'",
+        (f"{_ALLOC}.alloc_extend",),
+        sha256={"0.5.13": "c534ee94cfb57ce1acf7aefe16b404f6883a40789b1d2c4841151dade995f0a0"},
+        tests=("tests/test_allocator.py",),
+    ),
+    _depends(
+        f"{_COMMON}.alloc_paged_token_slots_decode",
+        "alloc_decode(seq_lens, seq_lens_cpu, last_loc); None raises 'Decode out of memory'",
+        (f"{_ALLOC}.alloc_decode",),
+        sha256={"0.5.13": "1e2713fd34b01cef330ed872f29b5e3c54e2647e8d0d95635e988f9a59ac8cd9"},
+        tests=("tests/test_allocator.py",),
+    ),
+    _depends(
+        f"{_COMMON}.alloc_for_decode",
+        "last_loc from req_to_token, alloc, then out_cache_loc written to "
+        "req_to_token at seq_lens, before prepare_for_decode maps it",
+        (_ALLOC, f"{_COORD}.map_last_loc_to_buffer"),
+        sha256={"0.5.13": "f7786a1c4c5d5da9bff673a8a7b47dbf9994ae7726e8cfff93cda385cf8a9a42"},
+        tests=("tests/test_coordinator.py",),
+    ),
+    _depends(
+        f"{_COMMON}.release_kv_cache",
+        "cache_finished_req frees the request's logical KV, then the request slot; "
+        "callers run request_finished first",
+        (f"{_COORD}.request_finished", f"{_ALLOC}.free"),
+        sha256={"0.5.13": "95a0c81f463e44a909d482a8488bf668cb1351077debdff0c56be64d27f2c655"},
+        tests=("tests/test_coordinator.py", "tests/test_disaggregation.py"),
+    ),
+    _depends(
+        "sglang.srt.mem_cache.chunk_cache.ChunkCache.cache_finished_req",
+        "frees req_to_token[: kv_allocated_len] through allocator.free",
+        (f"{_ALLOC}.free",),
+        sha256={"0.5.13": "acdbb350c3a9b5357e143b180b6f84cd323ba4d6e5102a037aae2c593edd6c1f"},
+        tests=("tests/test_disaggregation.py",),
+    ),
+    # --- batch results: admission and finish.
+    _depends(
+        f"{_BRP}.process_batch_result_prefill",
+        "admit_request_into_staging after maybe_cache_unfinished_req for a request "
+        "that did not finish at prefill; one that did only gets release_kv_cache",
+        (f"{_COORD}.admit_request_into_staging",),
+        sha256={"0.5.13": "402826388da0bea920123e5fe3595ec2857265a95eeecf296b28cee38dd578d2"},
+    ),
+    _depends(
+        f"{_BRP}.process_batch_result_decode",
+        "frees of a decode step run between allocator free_group_begin/end",
+        (f"{_ALLOC}.free",),
+        sha256={"0.5.13": "06021abf92ceb1deecfd007fd63065a1ab1829d713160a399167f7f706f60ad3"},
+    ),
+    _depends(
+        f"{_BRP}._handle_finish_state_updated_req",
+        "a finished request gets request_finished before release_kv_cache (without "
+        "decode KV offload)",
+        (f"{_COORD}.request_finished",),
+        sha256={"0.5.13": "4f1a99f27c9873cce21727f28381026aac2f54b9c6516267b80e2ea7a35b648b"},
+    ),
+    _depends(
+        f"{_BRP}.process_batch_result_prebuilt",
+        "PD decode: a request finished in the prebuilt step gets request_finished "
+        "before release_kv_cache",
+        (f"{_COORD}.request_finished",),
+        sha256={"0.5.13": "72e01158673d20868ee6199194935fbfea4d497b6b42e57be6fc5f32643e801b"},
+    ),
+    _depends(
+        f"{_POOL_STATS}.get_pool_stats",
+        "every branch builds a fresh PoolStats just before _get_hisparse_token_info",
+        ("sglang_hisparse.adapter.metrics:pool_stats_with_hisparse",),
+        sha256={"0.5.13": "041443c090b285e4980c77aeda84336fd411652582a4d6642eac67c2779a32de"},
+        tests=("tests/test_metrics.py",),
+    ),
+    # --- attention backends: the per-layer swap-in.
+    _depends(
+        f"{_DSA}.forward_decode",
+        "the decode page table is swap_in_selected_pages(req_pool_indices, seq_lens, "
+        "topk_indices padded to the q rows, layer_id)",
+        (f"{_COORD}.swap_in_selected_pages",),
+        sha256={"0.5.13": "5319b97de7004fc5659239d66777d9f7d4492cde74fe6f2ceb6374da0ae3278b"},
+    ),
+    _depends(
+        f"{_DSA}.forward_extend",
+        "the extend page table goes through translate_loc_to_hisparse_device, then int32",
+        (
+            "sglang_hisparse.pools.device_dsa:"
+            "HiSparseDSADevicePool.translate_loc_to_hisparse_device",
+        ),
+        sha256={"0.5.13": "d225bd8fd47b6daa536c8adb37dd6c3d4c13dd6fa79c6539d419d0492dfee9c3"},
+        tests=("tests/test_device_pool.py",),
+    ),
+    _depends(
+        f"{_DSA}.get_indexer_metadata",
+        "decode/idle with HiSparse forces the unfused top-k: the swap-in reads raw "
+        "token positions",
+        (f"{_COORD}.swap_in_selected_pages",),
+        sha256={"0.5.13": "cfdd4e7fd2b0b5ed5ccfb11c114cd24754e6e7d9143784bab1e3f844ce1ca638"},
+    ),
+    _depends(
+        "sglang.srt.layers.attention.dsv4.indexer.C4IndexerBackendMixin.forward_c4_indexer",
+        "decode: top-k into raw_indices_buffer, then swap_in_selected_pages(keywords) "
+        "per compress layer; otherwise the C4 pool's translate_loc_to_hisparse_device",
+        (f"{_COORD}.swap_in_selected_pages", "sglang_hisparse.pools.device_c4:DSV4C4DevicePool"),
+        sha256={"0.5.13": "f0ffb36339da63ef67f78d45e7163e223021989331ac454bae6d218e8ddd9ff0"},
+    ),
+    _depends(
+        "sglang.srt.layers.attention.dsv4.compressor_v2.CompressorBackendMixin.forward_unified",
+        "the C4 compressor writes through the C4 pool's translate_loc_to_hisparse_device "
+        "(found by hasattr) as int32 physical rows",
+        ("sglang_hisparse.pools.device_c4:DSV4C4DevicePool.translate_loc_to_hisparse_device",),
+        sha256={"0.5.13": "d0afd4c6fa101b6484b5b945d8d6661a9fe1e9f2a6506c0b56fbc748f9955c98"},
+        tests=("tests/test_dsv4.py",),
+    ),
+    # --- PD decode (disaggregation/decode.py, scheduler_pp_mixin.py).
+    _depends(
+        f"{_PREALLOC}._init_kv_manager",
+        "the KV transfer target is coordinator.mem_pool_host's contiguous buffers "
+        "(DSv4: device tail after mem_pool_host.layer_num)",
+        (
+            "sglang_hisparse.pools.host:HiSparseMLAHostPool",
+            "sglang_hisparse.pools.host:HiSparseC4HostPool",
+        ),
+        sha256={"0.5.13": "e52b9db72484f1111eef6a792c9b82ff2203cbdb98d7fcd35c98d0a9a6a4ca36"},
+    ),
+    _depends(
+        f"{_PREALLOC}.pop_preallocated",
+        "request budget = hisparse_attn_allocator.available_size() // "
+        "padded_buffer_size - transfer queue; indices paged by hisparse_page_size",
+        (f"{_ALLOC}.available_size", _COORD),
+        sha256={"0.5.13": "73f52ba8b17bedcf09b74c10d5b872472809a3f474f63c147dcbd64f5a46de39"},
+    ),
+    _depends(
+        f"{_PREALLOC}._allocatable_token_budgets",
+        "the PD token budget is logical_attn_allocator.available_size()",
+        (f"{_ALLOC}.available_size",),
+        sha256={"0.5.13": "69056c802a7e2f35585b551381e45ac2e182a09d6e39678386651ce1a48b9757"},
+    ),
+    _depends(
+        f"{_PREALLOC}._pre_alloc",
+        "fill_len = prompt + max(outputs - 1, 0); alloc_logical_only over it; host "
+        "rows from mem_pool_host.alloc_paged_token_slots(..., host_token_len(fill_len))",
+        (f"{_ALLOC}.alloc_logical_only", f"{_COORD}.host_token_len", f"{_RETAIN}.restore_retained"),
+        sha256={"0.5.13": "0fcab78dde922189bf7116744c724cb9b08fbdea42472ff62111d648a5a5fad5"},
+        tests=("tests/test_disaggregation.py",),
+    ),
+    _depends(
+        f"{_PREALLOC}.resume_retracted_reqs",
+        "resumes while the logical budget allows: _pre_alloc (new slot and host rows) "
+        "before Req.load_kv_cache",
+        (f"{_RETAIN}.restore_retained",),
+        sha256={"0.5.13": "4f1669ca6e8095acb69c9e6606d9fc8868f79af71a55853e61f54a2a83f38d84"},
+        tests=("tests/test_disaggregation.py",),
+    ),
+    _depends(
+        f"{_DECODE}.DecodeTransferQueue.pop_transferred",
+        "a failed or corrupted transfer gets request_finished before release_kv_cache",
+        (f"{_COORD}.request_finished",),
+        sha256={"0.5.13": "42e8f4b8943526779bf7eda9933738dca36620833d043b27986c62870e588ffa"},
+    ),
+    _depends(
+        f"{_DECODE_MIXIN}.process_decode_queue",
+        "every transferred request gets admit_request_direct before it joins the "
+        "waiting queue",
+        (f"{_COORD}.admit_request_direct",),
+        sha256={"0.5.13": "fac17af0baae08fc24cb933c4a29fb585d782e24fe22cdfb73f1bfd5f88488be"},
+    ),
+    _depends(
+        f"{_DECODE_MIXIN}.get_next_disagg_decode_batch_to_run",
+        "a prebuilt batch that becomes the running batch gets hisparse_coordinator set "
+        "(prepare_for_decode reads it)",
+        (f"{_COORD}.map_last_loc_to_buffer",),
+        sha256={"0.5.13": "1aea475aca9214369e3a202421f0e0325d678b8100391fd3fc6efcab1335eba8"},
+    ),
+    _depends(
+        "sglang.srt.managers.scheduler_pp_mixin.SchedulerPPMixin.process_decode_transfer_queue",
+        "PP decode: every released request gets admit_request_direct before it joins "
+        "the waiting queue",
+        (f"{_COORD}.admit_request_direct",),
+        sha256={"0.5.13": "65b174d0b9e1b0b217aa91270dc36dac1f77c25c8bc1013d424559377ad9fd23"},
+    ),
+)
+
+ENTRIES: tuple[Entry, ...] = HOOKS + DEPENDS
 
 
 def entries_for(native_only: bool) -> tuple[Entry, ...]:

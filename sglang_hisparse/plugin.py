@@ -4,8 +4,14 @@ SGLang calls :func:`register` (entry point ``sglang_hisparse`` in group
 ``sglang.srt.plugins``) from ``load_plugins()`` in the launcher and first thing
 in every scheduler process, then applies the registered hooks. We check every
 manifest entry against the installed SGLang before registering anything: an
-unsupported release, a target whose source changed, or a patch that no longer
-applies leaves SGLang exactly as it was and logs one error naming the cause.
+unsupported release, a target whose source changed (a hooked one or a DEPENDS
+one), or a patch that no longer applies leaves SGLang exactly as it was and
+logs one error naming the cause.
+
+Nothing here imports ``sglang.srt``: the installing itself (SGLang's
+``HookRegistry``, the PROPERTY setters, the rollback) is
+:mod:`sglang_hisparse.adapter.hook_registry`, imported only once every entry
+passed.
 """
 
 from __future__ import annotations
@@ -14,14 +20,12 @@ import importlib
 import logging
 import os
 import pkgutil
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from sglang_hisparse import SUPPORTED_SGLANG_VERSIONS
 from sglang_hisparse.config import NATIVE_ENV
-from sglang_hisparse.manifest import ENTRIES, Entry, Kind, entries_for
+from sglang_hisparse.manifest import Entry, Kind, entries_for
 from sglang_hisparse.pinned_source import (
     TargetNotFound,
     read_pinned_source,
@@ -59,20 +63,19 @@ class Activation:
 
 _activation: Activation | None = None
 
-# (owner, attribute, raw original) for everything we replaced, for rollback.
-_originals: list[tuple[object, str, object]] = []
-
-
-def _owner_and_attr(target: str):
-    owner_path, attr = target.rsplit(".", 1)
-    return pkgutil.resolve_name(owner_path), attr
-
 
 def _resolve_impl(entry: Entry):
     module_name, _, attr = (entry.impl or "").partition(":")
     if not module_name or not attr:
         raise ValueError(f"impl {entry.impl!r} is not 'module:attr'")
     return getattr(importlib.import_module(module_name), attr)
+
+
+def _owner_class(target: str):
+    """The class a method target belongs to (None for a module function);
+    resolving it imports the target's module, which compile_patched needs."""
+    owner = pkgutil.resolve_name(target.rsplit(".", 1)[0])
+    return owner if isinstance(owner, type) else None
 
 
 def check_entry(
@@ -106,12 +109,8 @@ def check_entry(
                 return EntryCheck(entry, False, f"patch file missing: {path}")
             patched = apply_unified_diff(entry.target, pinned.text, path.read_text())
             if build:
-                importlib.import_module(pinned.module)
-                owner, _ = _owner_and_attr(entry.target)
-                hook = compile_patched(
-                    pinned, patched, owner if isinstance(owner, type) else None
-                )
-        elif build:
+                hook = compile_patched(pinned, patched, _owner_class(entry.target))
+        elif build and entry.kind.installs:
             hook = _resolve_impl(entry)
     except PatchError as exc:
         return EntryCheck(entry, False, f"patch does not apply: {exc.reason}")
@@ -121,50 +120,18 @@ def check_entry(
 
 
 def _install(checks: list[EntryCheck]) -> list[str]:
-    """Register every hook and apply them; return targets that did not apply."""
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    """Install every checked hook; return the targets that did not apply."""
+    from sglang_hisparse.adapter import hook_registry
 
-    hooked: list[str] = []
-    for check in checks:
-        entry = check.entry
-        if entry.kind is Kind.PROPERTY:
-            owner, attr = _owner_and_attr(entry.target)
-            _originals.append((owner, attr, owner.__dict__[attr]))
-            setattr(owner, attr, property(check.hook))
-            continue
-        hook_type = (
-            HookType.REPLACE
-            if entry.kind is Kind.SOURCE_PATCH
-            else HookType[entry.kind.value]
-        )
-        owner, attr = _owner_and_attr(entry.target)
-        _originals.append((owner, attr, owner.__dict__[attr]))
-        HookRegistry.register(entry.target, check.hook, hook_type)
-        hooked.append(entry.target)
-    HookRegistry.apply_hooks()
-    return [t for t in hooked if t not in HookRegistry._patched]
+    return hook_registry.install(
+        hook_registry.Install(c.entry.target, c.entry.kind, c.hook) for c in checks
+    )
 
 
+def _rollback() -> None:
+    from sglang_hisparse.adapter import hook_registry
 
-def _rollback(targets: list[str]) -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry
-
-    for owner, attr, raw in reversed(_originals):
-        current = owner.__dict__.get(attr)
-        if current is not raw:
-            setattr(owner, attr, raw)
-            # Undo HookRegistry's propagation into `from X import f` bindings.
-            for mod in list(sys.modules.values()):
-                d = getattr(mod, "__dict__", None)
-                if not d:
-                    continue
-                for k, v in list(d.items()):
-                    if v is current:
-                        setattr(mod, k, raw)
-    for t in targets:
-        HookRegistry._hooks.pop(t, None)
-        HookRegistry._patched.discard(t)
-    _originals.clear()
+    hook_registry.rollback()
 
 
 def activate(
@@ -204,9 +171,12 @@ def activate(
                 ),
             )
         )
-    not_applied = _install(checks)
+    try:
+        not_applied = _install(checks)
+    except Exception as exc:  # e.g. a target attribute gone between check and install
+        not_applied = [f"{type(exc).__name__}: {exc}"]
     if not_applied:
-        _rollback([c.entry.target for c in checks])
+        _rollback()
         return _refuse(
             Activation(
                 version,
@@ -215,10 +185,13 @@ def activate(
                 error=f"hooks failed to apply, all rolled back: {', '.join(not_applied)}",
             )
         )
+    installed = sum(c.entry.kind.installs for c in checks)
     logger.info(
-        "sglang-hisparse active on sglang %s: %d manifest entries installed",
+        "sglang-hisparse active on sglang %s: %d manifest entries installed, "
+        "%d dependencies unchanged",
         version,
-        len(checks),
+        installed,
+        len(checks) - installed,
     )
     return Activation(version, True, checks)
 

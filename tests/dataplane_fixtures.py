@@ -1,8 +1,21 @@
 """Real SGLang 0.5.13 pools on CPU for the data-plane tests (allocator, host
-pool, coordinator). Only Req objects are SGLang's own too; nothing is mocked."""
+pool, coordinator), and SGLang's own functions for what the scheduler does
+around them: ``ScheduleBatch.prepare_for_decode`` (``alloc_for_decode``, then
+the coordinator's ``map_last_loc_to_buffer``), ``release_kv_cache`` through a
+real ``ChunkCache``, ``DecodePreallocQueue._pre_alloc`` and
+``Scheduler.abort_request``. The last two are called unbound, their ``self`` a
+namespace holding what they read (the queue and the scheduler cannot be built
+without a GPU, a transfer engine and a process group); nothing is mocked.
 
+``scripts/soak.py`` imports these helpers too (``device`` picks cpu or cuda).
+"""
+
+import contextlib
+import functools
 import os
 from array import array
+from pathlib import Path
+from types import MethodType, SimpleNamespace
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -33,7 +46,8 @@ def make_req(rid, n):
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    return Req(rid, "", array("i", [1] * n), SamplingParams(max_new_tokens=16))
+    # token ids as an array("q"), as the tokenizer manager sends them
+    return Req(rid, "", array("q", [1] * n), SamplingParams(max_new_tokens=16))
 
 
 def t64(*v):
@@ -47,7 +61,8 @@ def prefill(r2t, alloc, req, n, pool=None, tag=None):
     out = alloc.alloc_extend(t64(0), t64(0), t64(n), t64(n), t64(-1), n)
     assert out is not None
     r2t.req_to_token[idx, :n] = out.to(torch.int32)
-    req.fill_len = req.kv_allocated_len = n
+    # as ScheduleBatch.prepare_for_extend leaves a fully prefilled request
+    req.fill_len = req.kv_allocated_len = req.kv_committed_len = n
     if pool is not None:
         rows = alloc.translate_to_physical(out)
         for layer in range(pool.layer_num):
@@ -56,28 +71,198 @@ def prefill(r2t, alloc, req, n, pool=None, tag=None):
     return out
 
 
-def decode_step(r2t, alloc, coord, reqs):
-    """One decode step up to the forward pass: a new slot per request as
-    alloc_for_decode makes it, then the coordinator's map_last_loc_to_buffer
-    (0.5.13 passes no CPU indices). Returns (req_pool_indices, new seq_lens,
-    new logical slots)."""
-    rpi = t64(*[r.req_pool_idx for r in reqs])
-    seq = t64(*[r.kv_allocated_len for r in reqs])
-    last = r2t.req_to_token[rpi, seq - 1].to(torch.int64)
-    out = alloc.alloc_decode(seq + 1, seq + 1, last)
-    r2t.req_to_token[rpi, seq] = out.to(torch.int32)
-    for r in reqs:
-        r.kv_allocated_len += 1
-    seq = seq + 1
-    coord.map_last_loc_to_buffer(seq, out, rpi, seq.clone(), None)
-    return rpi, seq, out
+TINY_MODEL = Path(__file__).resolve().parent / "data" / "tiny-dsv32"
+
+
+@functools.lru_cache(maxsize=None)
+def model_config():
+    """SGLang's ModelConfig of the config-only DeepSeek-V3.2 (what a batch reads)."""
+    from sglang.srt.configs.model_config import ModelConfig
+
+    return ModelConfig(str(TINY_MODEL))
+
+
+@functools.lru_cache(maxsize=None)
+def _default_server_args():
+    from sglang.srt.server_args import ServerArgs
+
+    args = ServerArgs(model_path="dummy")
+    args.page_size = PS
+    return args
+
+
+@functools.lru_cache(maxsize=None)
+def _server_args_without_tokenizer():
+    from sglang.srt.server_args import ServerArgs
+
+    return ServerArgs(model_path="dummy", skip_tokenizer_init=True)
+
+
+@contextlib.contextmanager
+def installed_server_args(args):
+    """``args`` as SGLang's process-wide ServerArgs (``get_global_server_args``)
+    for the block; whatever was installed before (or nothing) after it."""
+    from sglang.srt import server_args as sa
+
+    try:
+        before = sa.get_global_server_args()
+    except ValueError:
+        before = None
+    sa.set_global_server_args_for_scheduler(args)
+    try:
+        yield args
+    finally:
+        sa.set_global_server_args_for_scheduler(before)
+
+
+@contextlib.contextmanager
+def sglang_server_args():
+    """SGLang's batch and cache functions read the process-wide ServerArgs.
+    Where no test installed one, a default one (page size 64) is installed
+    for the block and removed after it."""
+    from sglang.srt import server_args as sa
+
+    try:
+        args = sa.get_global_server_args()
+    except ValueError:
+        args = None
+    if args is not None:
+        yield args
+        return
+    with installed_server_args(_default_server_args()) as args:
+        yield args
+
+
+def chunk_cache(r2t, alloc):
+    """The tree cache of a server without radix cache (and of a PD decode node)."""
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.chunk_cache import ChunkCache
+
+    return ChunkCache(CacheInitParams(disable=True, req_to_token_pool=r2t,
+                                      token_to_kv_pool_allocator=alloc, page_size=alloc.page_size))
+
+
+def decode_batch(r2t, alloc, coord, reqs, device="cpu"):
+    """The running batch of ``reqs`` as the scheduler holds it before a decode
+    step: seq_lens = tokens whose KV exists."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    rpi = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+    seq = torch.tensor([r.kv_allocated_len for r in reqs], dtype=torch.int64)
+    batch = ScheduleBatch(
+        reqs=list(reqs), req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc,
+        tree_cache=chunk_cache(r2t, alloc), model_config=model_config(), device=device,
+        hisparse_coordinator=coord, spec_algorithm=SpeculativeAlgorithm.NONE,
+        req_pool_indices=rpi.to(device), req_pool_indices_cpu=rpi,
+        seq_lens=seq.to(device), seq_lens_cpu=seq.clone(),
+        orig_seq_lens=seq.to(device=device, dtype=torch.int32))
+    with sglang_server_args():
+        batch.sampling_info = SamplingBatchInfo.from_schedule_batch(
+            batch, model_config().vocab_size)
+    return batch
+
+
+def decode_step(r2t, alloc, coord, reqs, device="cpu"):
+    """One decode step up to the forward pass: 0.5.13's own
+    ``ScheduleBatch.prepare_for_decode`` (``alloc_for_decode``, the request's
+    KV lengths + 1, then the coordinator's ``map_last_loc_to_buffer``).
+    Returns (req_pool_indices, new seq_lens, new logical slots)."""
+    batch = decode_batch(r2t, alloc, coord, reqs, device)
+    with sglang_server_args():
+        batch.prepare_for_decode()
+    return batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc
 
 
 def release(r2t, alloc, req):
-    """release_kv_cache for a radix-free cache."""
-    alloc.free(r2t.req_to_token[req.req_pool_idx, : req.kv_allocated_len].to(torch.int64))
-    r2t.free(req)
-    req.req_pool_idx = None
+    """0.5.13 ``release_kv_cache`` through a ChunkCache (no radix cache): the
+    request's KV slots and its request slot."""
+    from sglang.srt.mem_cache.common import release_kv_cache
+
+    with sglang_server_args():
+        release_kv_cache(req, chunk_cache(r2t, alloc))
+
+
+def prealloc_queue(r2t, alloc, coord, server_args=None):
+    """``self`` for ``DecodePreallocQueue`` methods on a HiSparse PD decode
+    node: what ``_pre_alloc`` reads, with its helper bound."""
+    from sglang.srt.disaggregation.decode import DecodePreallocQueue
+
+    if server_args is None:
+        server_args = _default_server_args()
+    queue = SimpleNamespace(
+        req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc,
+        tree_cache=chunk_cache(r2t, alloc),
+        scheduler=SimpleNamespace(enable_hisparse=True, hisparse_coordinator=coord,
+                                  server_args=server_args),
+        queue=[], retracted_queue=[])
+    queue._required_alloc_tokens = MethodType(DecodePreallocQueue._required_alloc_tokens, queue)
+    return queue
+
+
+def pre_alloc(r2t, alloc, coord, req):
+    """0.5.13 ``DecodePreallocQueue._pre_alloc`` (its HiSparse branch): a
+    request slot, logical slots only, host rows for the transfer (or, after
+    retraction, the restore). Returns the host rows."""
+    from sglang.srt.disaggregation.decode import DecodePreallocQueue
+
+    with sglang_server_args():
+        return DecodePreallocQueue._pre_alloc(prealloc_queue(r2t, alloc, coord), req)
+
+
+class _RecordingSocket:
+    """The zmq socket behind SGLang's SenderWrapper: keeps what is sent."""
+
+    def __init__(self):
+        self.sent = []
+
+    def send_pyobj(self, obj):
+        self.sent.append(obj)
+
+
+def abort_scheduler(coord, r2t, alloc, *, decode, waiting=(), retracted=(), running=()):
+    """``self`` for 0.5.13 ``Scheduler.abort_request``: every attribute it
+    (and our AROUND hook) reads, real SGLang objects where they can be built
+    (ChunkCache, GrammarManager, ScheduleBatch, SenderWrapper). Returns
+    (scheduler, the list of outputs sent to the tokenizer)."""
+    from sglang.srt.constrained.grammar_manager import GrammarManager
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.managers.scheduler_components.ipc_channels import SchedulerIpcChannels
+    from sglang.srt.managers.scheduler_components.output_sender import SenderWrapper
+
+    socket = _RecordingSocket()
+    # (its grammar queue is empty: no backend, one rank)
+    grammar = GrammarManager(SimpleNamespace(
+        server_args=_server_args_without_tokenizer(), dp_tp_cpu_group=None,
+        dp_tp_group=SimpleNamespace(world_size=1, first_rank=0, is_first_rank=True)))
+    queue = prealloc_queue(r2t, alloc, coord)
+    queue.retracted_queue = list(retracted)
+    scheduler = SimpleNamespace(
+        hisparse_coordinator=coord, enable_hisparse=True,
+        disaggregation_mode=DisaggregationMode.DECODE if decode else DisaggregationMode.NULL,
+        waiting_queue=list(waiting), enable_hicache_storage=False,
+        tree_cache=chunk_cache(r2t, alloc), grammar_manager=grammar,
+        ipc_channels=SchedulerIpcChannels(
+            recv_from_tokenizer=None, recv_from_rpc=None, send_to_tokenizer=SenderWrapper(socket),
+            send_to_detokenizer=SenderWrapper(None), send_metrics_from_scheduler=None),
+        disagg_decode_prealloc_queue=queue,
+        disagg_decode_transfer_queue=SimpleNamespace(queue=[]),
+        running_batch=ScheduleBatch(reqs=list(running)), cur_batch=None)
+    return scheduler, socket.sent
+
+
+def abort(scheduler, rid):
+    """An AbortReq through our AROUND hook wrapped around 0.5.13's own
+    ``Scheduler.abort_request`` (called unbound on ``scheduler``)."""
+    from sglang.srt.managers.io_struct import AbortReq
+    from sglang.srt.managers.scheduler import Scheduler
+
+    from sglang_hisparse.adapter.scheduler import scheduler_abort_request
+
+    with sglang_server_args():
+        scheduler_abort_request(Scheduler.abort_request, scheduler, AbortReq(rid=rid))
 
 
 def free_counts(alloc, host=None, r2t=None):

@@ -243,3 +243,97 @@ def check_rows_served(case: SwapInCase) -> None:
             got = read_rows(case.device_kv.cpu(), out[valid], case.layout)
             bad = (want != got).any(1).nonzero().squeeze(1)
             assert bad.numel() == 0, f"row {b}: {bad.numel()} selected tokens have wrong bytes"
+
+
+def make_residency(case: SwapInCase, seed: int, fraction: float = 0.5, *,
+                   resident_rows: Sequence[int] = (), plain_rows: Sequence[int] = ()) -> dict:
+    """``resident`` flags (about ``fraction`` of the request slots, and the
+    requests of batch rows ``resident_rows``, but not of ``plain_rows``) and a
+    ``req_to_token``/``token_to_row`` mapping that agrees with the case: every
+    (request, position) has its own logical slot, and the newest position of
+    each batch request that is not resident maps to the row slot_locs gives it
+    (as the attention write path maps it). All on the case's device."""
+    gen = torch.Generator().manual_seed(seed)
+    max_reqs, ctx = case.lru.size(0), case.host_locs.size(1)
+    hot = case.lru.size(1)
+    resident = (torch.rand(max_reqs, generator=gen) < fraction).to(torch.int32)
+    for rows, flag in ((resident_rows, 1), (plain_rows, 0)):
+        for b in rows:
+            resident[int(case.req_pool_indices[b])] = flag
+    width = ctx + 3
+    req_to_token = torch.randperm(max_reqs * width, generator=gen).to(torch.int32).reshape(max_reqs, width)
+    token_to_row = torch.randint(0, 1 << 20, (max_reqs * width,), dtype=torch.int64, generator=gen)
+    slot_locs = case.slot_locs.cpu()
+    for r, seq_len in zip(case.req_pool_indices.tolist(), case.seq_lens.tolist()):
+        if not resident[r] and seq_len > 0:
+            token_to_row[req_to_token[r, seq_len - 1]] = int(slot_locs[r, min(seq_len - 1, hot)])
+    dev = case.top_k_tokens.device
+    return dict(resident=resident.to(dev), req_to_token=req_to_token.to(dev),
+                token_to_row=token_to_row.to(dev))
+
+
+def check_args(case: SwapInCase, counters: torch.Tensor, first: torch.Tensor, *,
+               layer_id: int = 3, **extra) -> dict:
+    """Keyword arguments of ``kernels.exactness.check_swap_in`` for a case
+    after its swap-in (``extra``: residency / mapping)."""
+    return dict(
+        top_k_tokens=case.top_k_tokens, out=case.out, req_pool_indices=case.req_pool_indices,
+        seq_lens=case.seq_lens, num_real_reqs=case.num_real_reqs, slot_locs=case.slot_locs,
+        host_locs=case.host_locs, host_kv=case.host_kv, device_kv=case.device_kv,
+        hot_buffer_size=case.lru.size(1), layer_id=layer_id, counters=counters, first=first,
+        layout=case.layout, **extra,
+    )
+
+
+def pick_entry(case: SwapInCase, kind: str, *, resident: Optional[torch.Tensor] = None,
+               skip_rows: int = 0) -> tuple[int, int]:
+    """(batch row, top-k index) of the first real entry of a kind, from batch
+    row ``skip_rows`` on: "cached" - valid, not the newest, in a request that
+    is not resident (its bytes come from host); "newest"; "invalid" (-1
+    padding); "resident" - valid, in a resident request."""
+    real = int(case.num_real_reqs[0])
+    max_ctx = case.host_locs.size(1)
+    for b in range(skip_rows, min(real, case.top_k_tokens.size(0))):
+        r, seq_len = int(case.req_pool_indices[b]), int(case.seq_lens[b])
+        is_res = resident is not None and int(resident[r]) != 0
+        for j, t in enumerate(case.top_k_tokens[b].tolist()):
+            valid = 0 <= t < min(seq_len, max_ctx)
+            if kind == "invalid":
+                if not valid:
+                    return b, j
+                continue
+            if not valid or (kind == "resident") != is_res:
+                continue
+            if kind == "resident" or (kind == "newest") == (t == seq_len - 1):
+                return b, j
+    raise LookupError(f"no {kind} entry in the case")
+
+
+FAULTS = ("none", "device_byte", "missing_row", "invalid", "newest", "newest_mapping", "resident",
+          "padding_garbage")
+
+
+def plant_fault(case: SwapInCase, fault: str, residency: Optional[dict] = None) -> None:
+    """After a swap-in, break one thing the exactness check must catch (or,
+    for "none" and "padding_garbage", nothing it may count)."""
+    if fault == "none":
+        return
+    if fault == "padding_garbage":
+        case.out[int(case.num_real_reqs[0]):] = 12345
+        return
+    kind = {"device_byte": "cached", "missing_row": "cached", "newest_mapping": "newest"}.get(fault, fault)
+    b, j = pick_entry(case, kind, resident=(residency or {}).get("resident"))
+    r, seq_len = int(case.req_pool_indices[b]), int(case.seq_lens[b])
+    if fault == "device_byte":
+        rows = case.out[b, j : j + 1].long()
+        data = read_rows(case.device_kv, rows, case.layout)
+        data[0, -1] ^= 0x40  # the last byte: C4's last scale byte
+        write_rows(case.device_kv, rows, data, case.layout)
+    elif fault == "missing_row":
+        case.out[b, j] = -1
+    elif fault in ("invalid", "newest", "resident"):
+        case.out[b, j] += 1 if fault != "invalid" else 18
+    elif fault == "newest_mapping":
+        residency["token_to_row"][residency["req_to_token"][r, seq_len - 1]] += 1
+    else:
+        raise ValueError(f"unknown fault {fault!r}")

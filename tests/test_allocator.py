@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dataplane_fixtures import PS, dsa_pool, free_counts, make_req, prefill, release, req_pool, t64
-from sglang_hisparse.allocator import HiSparseDualAllocator
+from sglang_hisparse.pools.allocator import HiSparseDualAllocator
 
 
 @pytest.fixture
@@ -151,7 +151,7 @@ def test_available_size_holds_back_reservations(setup):
 
 def test_available_size_bounded_by_host(setup):
     pool, alloc, _ = setup
-    from sglang_hisparse.host_pool import HiSparseMLAHostPool
+    from sglang_hisparse.pools.host import HiSparseMLAHostPool
 
     host = HiSparseMLAHostPool(pool, host_to_device_ratio=2, page_size=PS)
     alloc.attach_host_pool(host, 192)
@@ -164,20 +164,100 @@ def test_available_size_bounded_by_host(setup):
     host.free(grab)
 
 
-def test_page_size_one():
+def test_page_size_one_refused_and_alloc_refused(setup):
     from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 
+    # 0.5.13 calls alloc() only with page_size 1 (mem_cache/common.py
+    # alloc_token_slots); HiSparse serves paged allocation only.
     pool = MLATokenToKVPool(size=256, page_size=1, dtype=torch.bfloat16, kv_lora_rank=512,
                             qk_rope_head_dim=64, layer_num=1, device="cpu",
                             enable_memory_saver=False)
-    alloc = HiSparseDualAllocator(256, 1, torch.bfloat16, "cpu", pool, False, 2)
-    out = alloc.alloc(10)
-    assert out.numel() == 10 and bool((alloc.translate_to_physical(out) > 0).all())
-    ext = alloc.alloc_extend(t64(0, 0), t64(0, 0), t64(5, 7), t64(5, 7), t64(-1, -1), 12)
-    dec = alloc.alloc_decode(t64(6, 8), t64(6, 8), torch.stack([ext[4], ext[11]]))
-    assert dec.numel() == 2
-    rows = alloc.alloc_device_buffer(ext[:5], 3)
-    assert rows.numel() == 3
-    alloc.free_hisparse_indices(rows)
-    alloc.free(torch.cat([out, ext, dec]))
-    assert alloc.logical_available_size() == 512 and alloc.physical_available_size() == 256
+    with pytest.raises(ValueError, match="--page-size"):
+        HiSparseDualAllocator(256, 1, torch.bfloat16, "cpu", pool, False, 2)
+    _, alloc, _ = setup
+    with pytest.raises(NotImplementedError, match="alloc_extend"):
+        alloc.alloc(PS)
+
+
+# ------------------------------------------------------------------ budget
+@pytest.mark.parametrize("args,want", [
+    # free_rows, owed_rows, prefill_claims, reclaimable, free_logical, host_free, host_owed
+    ((1000, 200, 100, 0, 5000, None, 0), (5000, 700)),
+    ((1000, 200, 100, 64, 5000, None, 0), (5000, 764)),   # reclaimable on top
+    ((100, 200, 50, 30, 5000, None, 0), (5000, 30)),      # clamp before reclaimable
+    ((1000, 0, 0, 0, 5000, 800, 300), (500, 1000)),       # host headroom bounds logical
+    ((1000, 0, 0, 0, 400, 800, 300), (400, 1000)),        # logical slots bound it
+    ((1000, 0, 0, 0, 400, 300, 800), (0, 1000)),          # host over-owed: 0, not negative
+    ((1000, 0, 0, 0, None, 800, 300), (500, 1000)),       # no logical list (C4): host alone
+    ((1000, 0, 0, 0, None, None, 0), (None, 1000)),       # neither
+])
+def test_budget_formula(args, want):
+    from sglang_hisparse.engine.budget import admission_budgets
+
+    assert admission_budgets(*args) == want
+
+
+def test_budget_module_imports_neither_torch_nor_sglang():
+    from conftest import run_python
+
+    proc = run_python(
+        """
+        import sys
+        import sglang_hisparse.engine.budget
+        print(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "sglang")))
+        """
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+def _composed(alloc, reclaimable):
+    """What SGLang's two PD decode budgets and demotion add up to."""
+    return min(alloc.logical_attn_allocator.available_size(),
+               alloc.hisparse_attn_allocator.available_size() + reclaimable)
+
+
+@pytest.mark.parametrize("owed,reclaim,host_left_pages", [
+    ((256, 0), 0, None),          # no host pool: logical slots alone
+    ((256, 2 * PS), 128, 12),     # host headroom is the bound
+    ((2048, 0), 192, None),       # owed beyond the free rows: clamp, then reclaimable
+    ((0, 3 * PS), 0, 2),          # host over-owed: nothing admissible
+])
+def test_available_size_is_the_formula_and_the_sub_allocators_agree(
+        setup, owed, reclaim, host_left_pages):
+    from sglang_hisparse.engine.budget import admission_budgets
+    from sglang_hisparse.pools.host import HiSparseMLAHostPool
+
+    pool, alloc, r2t = setup
+    calls = []
+    alloc.set_reservation_provider(lambda: calls.append(1) or owed)
+    alloc.set_residency(lambda: reclaim, lambda need: 0)
+    host = grab = None
+    if host_left_pages is not None:
+        host = HiSparseMLAHostPool(pool, host_to_device_ratio=2, page_size=PS)
+        grab = host.alloc_page(host.free_page_count() - host_left_pages)
+    alloc.attach_host_pool(host, 192)
+    req = make_req("s", 10)
+    prefill(r2t, alloc, req, 10)  # one page, and a prefill claim of 192 - PS
+    assert alloc.pending_prefill_claim() == 192 - PS
+
+    free_rows, free_logical = 1024 - PS, 2048 - PS
+    host_free = None if host is None else host_left_pages * PS
+    want = admission_budgets(free_rows, owed[0], 192 - PS, reclaim, free_logical,
+                             host_free, owed[1])
+    calls.clear()
+    assert alloc.budgets() == want
+    assert len(calls) == 1  # one walk of the live requests for both budgets
+    calls.clear()
+    assert alloc.available_size() == min(want) and len(calls) == 1
+    # By hand, so a wrong formula fails too, not only a wrong plumbing.
+    physical = max(0, free_rows - owed[0] - (192 - PS)) + reclaim
+    logical = free_logical if host is None else min(free_logical, max(0, host_free - owed[1]))
+    assert want == (logical, physical)
+    # PD decode's budgets (sub-allocators) and demotion compose to the same.
+    assert alloc.available_size() == _composed(alloc, reclaim)
+    assert alloc.hisparse_attn_allocator.available_size() == physical - reclaim
+    assert alloc.logical_attn_allocator.available_size() == logical
+    release(r2t, alloc, req)
+    if grab is not None:
+        host.free(grab)

@@ -97,6 +97,14 @@ def cases_with_plugin(dirs) -> dict:
                                       *config("{bad")]},
         "deepseek_v4_mixed_chunk": v4("--enable-mixed-chunk"),
         "deepseek_v4_top_k_differs": v4(*config({"top_k": 2048})),
+        # PD decode: DSA models retract to host; DeepSeek-V4 cannot (yet).
+        "pd_decode_dsa": dsv32("--disaggregation-mode", "decode"),
+        "pd_decode_deepseek_v4": v4("--disaggregation-mode", "decode"),
+        # 10^9 device-pool tokens x ratio 2 x 1152 B x 4 layers x 8 ranks:
+        # about 67 TiB of pinned host memory, more than any node has. (No GPU
+        # here, so only --max-total-tokens sizes the pool.)
+        "host_memory_beyond_the_node": dsv32("--tp-size", "8", "--max-total-tokens",
+                                             str(10**9)),
     }
 
 
@@ -267,6 +275,21 @@ def test_pipeline_parallelism_not_supported_yet(ours):
     rejected(ours["pipeline_parallel"], "pipeline parallelism yet", "--pp-size must be 1, got 2")
 
 
+def test_deepseek_v4_on_a_pd_decode_node_is_refused(ours):
+    rejected(ours["pd_decode_deepseek_v4"], "DeepSeek-V4", "--disaggregation-mode decode",
+             "--enable-hisparse", "supported:", "DSA model (DeepSeek-V3.2, GLM-5)")
+    assert ours["pd_decode_dsa"]["ok"], ours["pd_decode_dsa"]
+
+
+def test_pinned_host_memory_beyond_the_node_is_refused_before_weights_load(ours):
+    message = rejected(ours["host_memory_beyond_the_node"], "--hisparse-config",
+                       "host_to_device_ratio 2 needs about", "GiB of pinned host memory",
+                       "x 8 ranks per node", "1000000000 tokens: --max-total-tokens",
+                       "1152 B rows x 4 layers", "MemAvailable", "--mem-fraction-static")
+    # 10^9 x 2 x 1152 B x 4 layers per rank, in GiB.
+    assert f"{10**9 * 2 * 1152 * 4 / 2**30:.1f} GiB per rank" in message
+
+
 def test_every_problem_is_reported_at_once(ours):
     message = rejected(ours["several_problems"], "3 problems with --enable-hisparse",
                        "not valid JSON", "--disable-radix-cache", "--enable-mixed-chunk")
@@ -302,20 +325,20 @@ def test_sglang_alone_fails_later_or_never(native):
 def _dsa_args(**changes):
     from dataclasses import replace
 
-    from sglang_hisparse.arg_hooks.rules import HiSparseServerArgs, ModelFamily
+    from sglang_hisparse.arg_rules import HiSparseServerArgs, ModelFamily
 
     args = HiSparseServerArgs(
         model_architecture="DeepseekV32ForCausalLM", model_family=ModelFamily.DSA,
         model_index_topk=2048, hisparse_config=None, disable_radix_cache=True,
-        enable_mixed_chunk=False, pp_size=1, page_size=64, kv_cache_dtype="bfloat16",
+        enable_mixed_chunk=False, pp_size=1, kv_cache_dtype="bfloat16",
         dsa_prefill_backend="flashmla_sparse", dsa_decode_backend="flashmla_sparse",
-        speculative_algorithm=None,
+        speculative_algorithm=None, disaggregation_mode="null",
     )
     return replace(args, **changes)
 
 
 def test_rules_accept_the_bf16_alias_and_return_the_resolved_config():
-    from sglang_hisparse.arg_hooks.rules import check_hisparse_server_args
+    from sglang_hisparse.arg_rules import check_hisparse_server_args
 
     config = check_hisparse_server_args(_dsa_args(kv_cache_dtype="bf16"))
     assert (config.top_k, config.device_buffer_size) == (2048, 4096)
@@ -323,7 +346,19 @@ def test_rules_accept_the_bf16_alias_and_return_the_resolved_config():
 
 def test_rules_reject_an_unresolved_auto_kv_dtype():
     # SGLang resolves "auto" for DSA on CUDA/ROCm; anywhere else it reaches us.
-    from sglang_hisparse.arg_hooks.rules import HiSparseArgumentError, check_hisparse_server_args
+    from sglang_hisparse.arg_rules import HiSparseArgumentError, check_hisparse_server_args
 
     with pytest.raises(HiSparseArgumentError, match=r"got auto"):
         check_hisparse_server_args(_dsa_args(kv_cache_dtype="auto"))
+
+
+def test_rules_refuse_deepseek_v4_on_a_pd_decode_node_only():
+    from sglang_hisparse.arg_rules import ModelFamily, find_problems
+
+    v4 = dict(model_architecture="DeepseekV4ForCausalLM", model_family=ModelFamily.DEEPSEEK_V4,
+              model_index_topk=512)
+    problems, _ = find_problems(_dsa_args(**v4, disaggregation_mode="decode"))
+    assert len(problems) == 1 and "--disaggregation-mode decode" in problems[0]
+    for mode in ("null", "prefill"):
+        assert find_problems(_dsa_args(**v4, disaggregation_mode=mode))[0] == []
+    assert find_problems(_dsa_args(disaggregation_mode="decode"))[0] == []

@@ -197,7 +197,7 @@ def test_env_switches_name_the_variable_and_allowed_values():
 def test_host_memory_on_cpu_is_plain_and_checks_the_mode(monkeypatch):
     import torch
 
-    from sglang_hisparse import host_memory
+    from sglang_hisparse.pools import host_memory
 
     t = host_memory.alloc_pinned((4, 8), torch.bfloat16)
     assert t.shape == (4, 8) and t.dtype == torch.bfloat16

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from dataplane_fixtures import (
-    PS, decode_step, dsa_pool, free_counts, get_tag, make_req, prefill, put_tag, release, req_pool, t64,
+    PS, abort, abort_scheduler, decode_step, dsa_pool, free_counts, get_tag, make_req, pre_alloc,
+    prefill, put_tag, release, req_pool,
 )
-from sglang_hisparse.allocator import HiSparseDualAllocator
-from sglang_hisparse.coordinator import HiSparseCoordinator
+from sglang_hisparse.pools.allocator import HiSparseDualAllocator
+from sglang_hisparse.adapter.model_runner import HiSparseCoordinator
 
 HOT, TOPK = 128, 16
 
@@ -35,6 +36,16 @@ class Env:
         req = make_req(rid, n)
         prefill(self.r2t, self.alloc, req, n, pool=self.pool)
         self.coord.admit_request_into_staging(req)
+        return req
+
+    def admitted_from_host(self, rid, n):
+        """PD decode: 0.5.13's _pre_alloc, the transfer engine writes the
+        prompt's KV into the host rows, then direct admission."""
+        req = make_req(rid, n)
+        host = pre_alloc(self.r2t, self.alloc, self.coord, req)
+        for layer in range(self.pool.layer_num):
+            put_tag(self.host.kv_buffer[layer], host[:n], torch.arange(n))
+        self.coord.admit_request_direct(req)
         return req
 
     def decode(self, reqs):
@@ -252,18 +263,8 @@ def test_retract_running_then_readmit():
 @pytest.mark.parametrize("n", [90, 400])
 def test_direct_admission_pd_decode(n):
     env = Env()
-    req = make_req("pd", n)
-    (idx,) = env.r2t.alloc([req])
-    req.req_pool_idx = idx
-    logical = env.alloc.alloc_logical_only(t64(0), t64(0), t64(n), t64(n), t64(-1), n)
-    env.r2t.req_to_token[idx, :n] = logical.to(torch.int32)
-    req.fill_len = req.kv_allocated_len = n
-    host = env.host.alloc_paged_token_slots(env.coord.req_to_host_pool,
-                                            env.coord.req_to_host_pool_allocated_len, idx, 0,
-                                            env.coord.host_token_len(n))
-    for layer in range(2):  # the transfer engine writes host rows
-        put_tag(env.host.kv_buffer[layer], host, torch.arange(n))
-    env.coord.admit_request_direct(req)
+    req = env.admitted_from_host("pd", n)
+    idx = req.req_pool_idx
     rows = env.coord.req_to_device_buffer[idx]
     if n <= HOT:  # preloaded
         assert get_tag(env.pool.kv_buffer[1], [int(rows[n - 1])]) == [n - 1]
@@ -274,56 +275,66 @@ def test_direct_admission_pd_decode(n):
     assert env.drained()
 
 
-def test_destroy():
+def test_destroy_unpins_the_host_pool_once(monkeypatch):
+    # Shutdown with a copy still in flight: the host pool's buffer is handed
+    # back to host_memory (cudaHostUnregister where it was registered), once
+    # however often destroy() runs.
+    from sglang_hisparse.pools import host_memory
+
     env = Env()
+    env.coord.set_cpu_staging_delay(lambda: 3)
     env.staged("a", 64)
+    released = []
+    unpin = host_memory.release
+    monkeypatch.setattr(host_memory, "release", lambda t: (released.append(t), unpin(t))[1])
     env.coord.destroy()
-    assert not env.coord.has_ongoing_staging()
+    assert [t.data_ptr() for t in released] == [env.host.kv_buffer.data_ptr()]
+    env.coord.destroy()
+    assert len(released) == 1
 
 
-def test_abort_hook_releases_pd_waiting_and_marks_staging():
-    # Scheduler and ModelRunner cannot be built on CPU; the hooks only read
-    # these attributes of them.
-    from types import SimpleNamespace
-
-    from sglang.srt.disaggregation.utils import DisaggregationMode
+def test_abort_hook_around_the_real_abort_request():
+    # 0.5.13's own Scheduler.abort_request, wrapped by our AROUND hook, on a
+    # PD decode node: a waiting request (KV on host, hot buffer held), a
+    # staged one (in no queue 0.5.13 scans), a running one, and one that
+    # does not match.
     from sglang.srt.managers.io_struct import AbortReq
-
-    from sglang_hisparse.hooks import scheduler_abort_request
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
     env = Env()
-    pd = make_req("pd-1", 90)
-    (idx,) = env.r2t.alloc([pd])
-    pd.req_pool_idx = idx
-    logical = env.alloc.alloc_logical_only(t64(0), t64(0), t64(90), t64(90), t64(-1), 90)
-    env.r2t.req_to_token[idx, :90] = logical.to(torch.int32)
-    pd.fill_len = pd.kv_allocated_len = 90
-    env.host.alloc_paged_token_slots(env.coord.req_to_host_pool,
-                                     env.coord.req_to_host_pool_allocated_len, idx, 0, 90)
-    env.coord.admit_request_direct(pd)
+    waiting = env.admitted_from_host("pd-1", 90)
+    other = env.admitted_from_host("x-1", 60)
+    running = env.admitted_from_host("pd-3", 70)
     env.coord.set_cpu_staging_delay(lambda: 3)
     staged = env.staged("pd-2", 100)
-    sched = SimpleNamespace(hisparse_coordinator=env.coord, enable_hisparse=True,
-                            disaggregation_mode=DisaggregationMode.DECODE, waiting_queue=[pd],
-                            disagg_decode_prealloc_queue=SimpleNamespace(retracted_queue=[]))
-    calls = []
+    sched, sent = abort_scheduler(env.coord, env.r2t, env.alloc, decode=True,
+                                  waiting=[waiting, other], running=[running])
+    waiting_slot = waiting.req_pool_idx
 
-    def original(self, recv_req):  # stands for 0.5.13 abort_request: release_kv_cache
-        calls.append(recv_req.rid)
-        release(env.r2t, env.alloc, pd)
+    abort(sched, "pd")
 
-    scheduler_abort_request(original, sched, AbortReq(rid="pd"))
-    assert calls == ["pd"]
-    assert staged.to_finish is not None  # finishes on its first decode step
+    # 0.5.13: popped from the waiting queue, told the tokenizer, freed its KV
+    assert sched.waiting_queue == [other]
+    assert [type(o) for o in sent] == [AbortReq] and [o.rid for o in sent] == ["pd-1"]
+    assert waiting.req_pool_idx is None
+    # ours, first: its hot buffer and host rows went back too
+    assert waiting_slot not in env.coord.live_request_slots()
+    # a running request finishes on its next step (0.5.13), a staged one on
+    # its first (ours)
+    assert isinstance(running.to_finish, FINISH_ABORT)
+    assert isinstance(staged.to_finish, FINISH_ABORT)
+    assert other.to_finish is None
     env.coord.retract_req(staged)
     release(env.r2t, env.alloc, staged)
+    for req in (running, other):
+        env.finish(req)
     assert env.drained()
 
 
 def test_max_token_pool_size_is_logical():
     from types import SimpleNamespace
 
-    from sglang_hisparse.hooks import model_runner_max_token_pool_size
+    from sglang_hisparse.adapter.model_runner import model_runner_max_token_pool_size
 
     env = Env()
     mr = SimpleNamespace(enable_hisparse=True, token_to_kv_pool_allocator=env.alloc,
@@ -337,17 +348,17 @@ def test_manifest_entries_check_out():
     from sglang_hisparse.manifest import ENTRIES, Scope
     from sglang_hisparse.plugin import check_entry
 
-    mine = [e for e in ENTRIES if e.impl and e.impl.startswith(("sglang_hisparse.coordinator",
-                                                                 "sglang_hisparse.allocator",
-                                                                 "sglang_hisparse.hooks"))]
+    mine = [e for e in ENTRIES if e.impl and e.impl.startswith(("sglang_hisparse.adapter.model_runner:",
+                                                                 "sglang_hisparse.pools.allocator:",
+                                                                 "sglang_hisparse.adapter.scheduler:"))]
     assert len(mine) == 5 and all(e.scope is Scope.DATA_PLANE for e in mine)
     for e in mine:
         c = check_entry(e, "0.5.13")
         assert c.ok, (e.target, c.detail)
 
 
-def test_real_request_count_writes_only_changes():
-    from sglang_hisparse.coordinator import RealRequestCount
+def test_real_request_count_writes_every_fill():
+    from sglang_hisparse.engine.streams import RealRequestCount
 
     count = RealRequestCount("cpu")
     assert int(count.tensor[0]) == 0
@@ -355,7 +366,9 @@ def test_real_request_count_writes_only_changes():
     for n in (3, 3, 3, 5, 5, 0, 0, 3):
         count.fill_(n)
         assert count.item() == n and count.tensor.value == n
-    assert count.tensor.writes == [3, 5, 0, 3]
+    # every fill reaches the device: SGLang's second fill per step is the one
+    # ordered before the graph replay (a skipped one let a stale count through)
+    assert count.tensor.writes == [3, 3, 3, 5, 5, 0, 0, 3]
 
 
 class _CountingTensor:
@@ -394,7 +407,7 @@ def test_pool_stats_set_in_place_match_sglang_copy():
         PoolStats, SchedulerPoolStatsObserver,
     )
 
-    from sglang_hisparse.metrics import pool_stats_with_hisparse
+    from sglang_hisparse.adapter.metrics import pool_stats_with_hisparse
 
     env = Env()
     req = env.staged("r", 300)

@@ -15,9 +15,9 @@ import torch
 
 from conftest import run_python
 from dataplane_fixtures import PS, get_tag, make_req, prefill, req_pool, t64
-from sglang_hisparse.allocator import HiSparseDualAllocator
-from sglang_hisparse.coordinator import HiSparseCoordinator
-from sglang_hisparse.device_pool import HiSparseDSADevicePool
+from sglang_hisparse.pools.allocator import HiSparseDualAllocator
+from sglang_hisparse.adapter.model_runner import HiSparseCoordinator
+from sglang_hisparse.pools.device_dsa import HiSparseDSADevicePool
 
 PHYS, RATIO, LAYERS = 1024, 2, 2
 TARGET = "sglang.srt.mem_cache.hisparse_memory_pool.HiSparseDSATokenToKVPool"
@@ -221,13 +221,20 @@ def test_writes_identical_to_native(setup):
             assert torch.equal(a, b)
 
 
-def test_transfer_values_on_device_copies_physical_rows(setup):
-    pool, _, _ = setup
-    for lid in range(LAYERS):
-        pool.kv_buffer[lid][64:66] = float(lid + 7)
-    pool.transfer_values_on_device(t64(300, 301), t64(64, 65))
-    for lid in range(LAYERS):
-        assert bool((pool.kv_buffer[lid][300:302] == lid + 7).all())
+def test_transfer_values_on_device_has_no_pinned_caller():
+    # 0.5.13's HiSparseDSATokenToKVPool defines transfer_values_on_device but
+    # nothing calls it, so ours leaves it out. A release that starts calling
+    # it must fail here rather than with an AttributeError in a server.
+    import re
+
+    from sglang_hisparse.pinned_source import installed_sglang_root
+
+    root = installed_sglang_root() / "sglang"
+    calls = [str(path.relative_to(root)) for path in root.rglob("*.py")
+             if re.search(r"\.transfer_values_on_device\(", path.read_text(errors="replace"))]
+    assert calls == [], calls
+    assert not hasattr(HiSparseDSADevicePool, "transfer_values_on_device")
+    assert hasattr(native_cls(), "transfer_values_on_device")  # the method we left out
 
 
 def test_cpu_copy_refused(setup):
@@ -291,7 +298,7 @@ def test_replace_reaches_model_runner_binding():
         import sglang.srt.model_executor.model_runner_kv_cache_mixin as mixin
         from sglang_hisparse.plugin import activate
         act = activate()
-        from sglang_hisparse.device_pool import HiSparseDSADevicePool
+        from sglang_hisparse.pools.device_dsa import HiSparseDSADevicePool
         import sglang.srt.mem_cache.hisparse_memory_pool as hmp
         print(json.dumps(dict(
             applied=act.applied, error=act.error,

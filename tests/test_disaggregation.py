@@ -3,24 +3,25 @@ in the host pool and resumes from it.
 
 Retraction runs 0.5.13's own ``release_req`` (``retract_req``,
 ``Req.offload_kv_cache`` -> ``get_cpu_copy``, ``release_kv_cache`` through a
-real ``ChunkCache``, ``reset_for_retract``); resumption runs the HiSparse
-branch of ``DecodePreallocQueue._pre_alloc`` (mirrored: the queue needs a
-scheduler and a transfer engine) and the real ``Req.load_kv_cache``. Every
-lifecycle test counts logical, physical, host and request slots back to the
-start.
+real ``ChunkCache``, ``reset_for_retract``); resumption runs 0.5.13's own
+``DecodePreallocQueue._pre_alloc`` (unbound: the queue needs a scheduler and
+a transfer engine) and ``Req.load_kv_cache``; an abort runs 0.5.13's
+``Scheduler.abort_request`` inside our hook. Every lifecycle test counts
+logical, physical, host and request slots back to the start.
 """
 
-from types import SimpleNamespace
+from array import array
 
 import pytest
 import torch
 
 from dataplane_fixtures import (
-    PS, decode_step, dsa_pool, free_counts, get_tag, make_req, put_tag, release, req_pool, t64,
+    PS, abort, abort_scheduler, chunk_cache, decode_step, dsa_pool, free_counts, get_tag,
+    make_req, pre_alloc, put_tag, release, req_pool, t64,
 )
-from sglang_hisparse.allocator import HiSparseDualAllocator
-from sglang_hisparse.coordinator import HiSparseCoordinator
-from sglang_hisparse.disaggregation import RetainedHostKV
+from sglang_hisparse.pools.allocator import HiSparseDualAllocator
+from sglang_hisparse.adapter.model_runner import HiSparseCoordinator
+from sglang_hisparse.engine.policies.retain_on_retract import RetainedHostKV
 
 HOT, TOPK = 128, 16
 
@@ -38,9 +39,6 @@ def server_args(monkeypatch):
 
 class PDEnv:
     def __init__(self, pd_decode=None):
-        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-        from sglang.srt.mem_cache.chunk_cache import ChunkCache
-
         self.pool = dsa_pool(1024)
         self.r2t = req_pool(8, 2048)
         self.alloc = HiSparseDualAllocator(1024, PS, torch.bfloat16, "cpu", self.pool, False, 2)
@@ -49,27 +47,17 @@ class PDEnv:
         self.coord = HiSparseCoordinator(self.r2t, self.alloc, TOPK, HOT, "cpu", None, 2,
                                          swap_in_block_size=1024, pd_decode=pd_decode)
         self.host = self.coord.mem_pool_host
-        self.cache = ChunkCache(CacheInitParams(disable=True, req_to_token_pool=self.r2t,
-                                                token_to_kv_pool_allocator=self.alloc,
-                                                page_size=PS))
+        self.cache = chunk_cache(self.r2t, self.alloc)
         self.start = self.counts()
 
     def counts(self):
         return free_counts(self.alloc, self.host, self.r2t)
 
     def pre_alloc(self, req):
-        """``DecodePreallocQueue._pre_alloc``'s HiSparse branch (0.5.13
-        decode.py:1262-1331): a request slot, logical slots only, host rows
-        for the transfer (or, after retraction, the restore)."""
-        (idx,) = self.r2t.alloc([req])
-        req.req_pool_idx = idx
-        n = len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
-        req.kv_allocated_len = req.kv_committed_len = req.fill_len = n
-        logical = self.alloc.alloc_logical_only(t64(0), t64(0), t64(n), t64(n), t64(-1), n)
-        self.r2t.req_to_token[idx, :n] = logical.to(torch.int32)
-        return self.host.alloc_paged_token_slots(
-            self.coord.req_to_host_pool, self.coord.req_to_host_pool_allocated_len, idx, 0,
-            self.coord.host_token_len(n))
+        """0.5.13's ``DecodePreallocQueue._pre_alloc``: a request slot,
+        logical slots only, host rows for the transfer (or, after
+        retraction, the restore)."""
+        return pre_alloc(self.r2t, self.alloc, self.coord, req)
 
     def admit(self, rid, n):
         """A request whose prompt KV the prefill node wrote into host rows."""
@@ -86,7 +74,6 @@ class PDEnv:
         rows = self.alloc.translate_to_physical(out)
         for layer in range(self.pool.layer_num):
             put_tag(self.pool.kv_buffer[layer], rows, seq - 1)
-        req.kv_committed_len = req.kv_allocated_len
 
     def retract(self, req, server_args):
         from sglang.srt.managers.schedule_batch import release_req
@@ -106,11 +93,11 @@ class PDEnv:
 def generated(req, steps, lag):
     """Output ids as SGLang holds them after ``steps`` decode steps: with the
     overlap scheduler (lag 1) the last step's token is not processed yet."""
-    req.output_ids = [7] * (steps + 1 - lag)
+    req.output_ids = array("q", [7] * (steps + 1 - lag))
 
 
-def retracted_after_one_step(env, server_args, to_finish=None):
-    req = env.admit("pd-1", 300)
+def retracted_after_one_step(env, server_args, to_finish=None, rid="pd-1"):
+    req = env.admit(rid, 300)
     env.decode(req)
     generated(req, 1, 0)
     req.to_finish = to_finish
@@ -166,23 +153,24 @@ def test_retracted_request_resumes_from_its_host_rows(server_args, prompt, steps
 
 
 def test_abort_while_retracted_frees_the_retained_rows(server_args):
-    from sglang.srt.disaggregation.utils import DisaggregationMode
+    # 0.5.13's own abort_request drops the snapshot (del kv_cache_cpu) and
+    # tells the tokenizer; the hook around it frees the host rows first.
     from sglang.srt.managers.io_struct import AbortReq
-
-    from sglang_hisparse.hooks import scheduler_abort_request
 
     env = PDEnv()
     req = retracted_after_one_step(env, server_args)
-    assert req.kv_cache_cpu.holds_rows
-    sched = SimpleNamespace(hisparse_coordinator=env.coord, enable_hisparse=True,
-                            disaggregation_mode=DisaggregationMode.DECODE, waiting_queue=[],
-                            disagg_decode_prealloc_queue=SimpleNamespace(retracted_queue=[req]))
+    kept = req.kv_cache_cpu
+    assert kept.holds_rows
+    other = retracted_after_one_step(env, server_args, rid="x-1")
+    sched, sent = abort_scheduler(env.coord, env.r2t, env.alloc, decode=True,
+                                  retracted=[req, other])
 
-    def original(self, recv_req):  # 0.5.13 abort_request: drops kv_cache_cpu
-        self.disagg_decode_prealloc_queue.retracted_queue = []
-        del req.kv_cache_cpu
+    abort(sched, "pd")
 
-    scheduler_abort_request(original, sched, AbortReq(rid="pd"))
+    assert not hasattr(req, "kv_cache_cpu") and not kept.holds_rows
+    assert sched.disagg_decode_prealloc_queue.retracted_queue == [other]
+    assert [type(o) for o in sent] == [AbortReq] and [o.rid for o in sent] == ["pd-1"]
+    env.coord.release_retained(other.kv_cache_cpu)
     assert env.drained()
 
 
@@ -213,23 +201,13 @@ def test_pd_decode_is_read_from_the_server_args(server_args):
     assert not PDEnv().coord.pd_decode
 
 
-def test_pinned_sglang_retraction_calls_what_we_serve():
-    # The flow above mirrors these 0.5.13 lines; a pin that changes them must
-    # fail here rather than in production.
+def test_pinned_sglang_resumes_in_the_order_the_tests_call():
+    # The tests above run 0.5.13's release_req, _pre_alloc, load_kv_cache
+    # and abort_request themselves; only resume_retracted_reqs (it needs the
+    # whole prealloc queue) is repeated, as its two calls in its order.
     import inspect
 
     from sglang.srt.disaggregation import decode
-    from sglang.srt.managers import schedule_batch
 
-    release = inspect.getsource(schedule_batch.release_req)
-    assert release.index("hisparse_coordinator.retract_req(req)") < release.index(
-        "req.offload_kv_cache(") < release.index("release_kv_cache(")
-    req_src = inspect.getsource(schedule_batch.Req)
-    assert "token_to_kv_pool_allocator.get_cpu_copy(" in req_src
-    assert "token_to_kv_pool_allocator.load_cpu_copy(" in req_src
     resume = inspect.getsource(decode.DecodePreallocQueue.resume_retracted_reqs)
     assert resume.index("self._pre_alloc(req)") < resume.index("req.load_kv_cache(")
-    pre_alloc = inspect.getsource(decode.DecodePreallocQueue._pre_alloc)
-    assert "fill_len = len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)" in pre_alloc
-    assert "alloc_logical_only(" in pre_alloc and "alloc_paged_token_slots(" in pre_alloc
-    assert "self.retracted_queue" in inspect.getsource(decode.DecodePreallocQueue)

@@ -14,7 +14,8 @@ import torch
 
 from conftest import run_python
 from dataplane_fixtures import decode_step, make_req, prefill, release, req_pool, t64
-from sglang_hisparse.dsv4 import C4_RATIO, DSV4C4DevicePool, DSV4HiSparseAllocator
+from sglang_hisparse.pools.allocator_c4 import DSV4HiSparseAllocator
+from sglang_hisparse.pools.device_c4 import C4_RATIO, DSV4C4DevicePool
 from sglang_hisparse.kernels import reference
 
 PS, SWA_PS, CPS = 256, 128, 64
@@ -193,6 +194,42 @@ def test_alloc_extend_refuses_when_c4_rows_run_out():
     assert counts(alloc) == start and unmapped(alloc)
 
 
+@pytest.mark.parametrize("owed,host_left_pages", [((0, 0), None), ((200, 0), None),
+                                                   ((64, 64), 3), ((2000, 0), 8)])
+def test_c4_budget_is_the_formula_in_c4_rows(owed, host_left_pages):
+    from sglang_hisparse.engine.budget import admission_budgets
+    from sglang_hisparse.pools.host import HiSparseC4HostPool
+
+    pool, alloc = build()
+    calls = []
+    alloc.set_reservation_provider(lambda: calls.append(1) or owed)
+    host = grab = None
+    if host_left_pages is not None:
+        host = HiSparseC4HostPool(pool.c4_kv_pool.kv_buffer, num_host_pages=32)
+        grab = host.alloc_page(32 - host_left_pages)
+    alloc.attach_host_pool(host, PADDED)
+    full = alloc.alloc_extend(t64(0), t64(0), t64(40), t64(40), t64(-1), 40)  # 10 C4: 1 page
+    assert alloc.pending_prefill_claim() == PADDED - CPS
+    host_free = None if host is None else host_left_pages * CPS
+    host_rows, rows = admission_budgets(C4_DEV - CPS, owed[0], PADDED - CPS, 0, None,
+                                        host_free, owed[1])
+    calls.clear()
+    assert alloc.budgets() == (host_rows, rows) and len(calls) == 1
+    c4 = rows if host_rows is None else min(rows, host_rows)
+    # by hand: device rows less owed and claimed, capped by host headroom
+    assert c4 == min(max(0, C4_DEV - CPS - owed[0] - (PADDED - CPS)),
+                     max(0, host_free - owed[1]) if host else 10**9)
+    # the C4 sub-allocator (PD decode prealloc budget) reports the same rows
+    assert alloc.hisparse_attn_allocator.available_size() == rows
+    swa = alloc.logical_attn_allocator
+    assert alloc.available_size() == min(swa.available_size(), c4 * C4_RATIO)
+    assert alloc.full_available_size() == min(swa.full_available_size(), c4 * C4_RATIO)
+    alloc.free(full)
+    assert alloc.pending_prefill_claim() == 0 and unmapped(alloc)
+    if grab is not None:
+        host.free(grab)
+
+
 def test_get_last_loc_compressed():
     _, alloc = build()
     # -1 (no prefix) stays -1; a full id closing a group is its own group;
@@ -338,7 +375,7 @@ def test_backup_restore_and_merge():
 # --------------------------------------------------------------- coordinator
 class Env:
     def __init__(self, c4_dev=C4_DEV, delay=0):
-        from sglang_hisparse.coordinator import HiSparseCoordinator
+        from sglang_hisparse.adapter.model_runner import HiSparseCoordinator
 
         self.pool, self.alloc = build(c4_dev)
         self.c4 = self.pool.c4_kv_pool
@@ -458,7 +495,7 @@ def test_coordinator_c4_direct_admission():
     req.req_pool_idx = idx
     full = env.alloc.alloc_logical_only(t64(0), t64(0), t64(300), t64(300), t64(-1), 300)
     env.r2t.req_to_token[idx, :300] = full.to(torch.int32)
-    req.fill_len = req.kv_allocated_len = 300
+    req.fill_len = req.kv_allocated_len = req.kv_committed_len = 300
     host = env.host.alloc_paged_token_slots(env.coord.req_to_host_pool,
                                             env.coord.req_to_host_pool_allocated_len, idx, 0,
                                             env.coord.host_token_len(300))
@@ -531,7 +568,8 @@ def test_class_replace_reaches_every_sglang_user():
         import sglang.srt.model_executor.model_runner_kv_cache_mixin as mx
         import sglang.srt.mem_cache.hisparse_memory_pool as hmp
         import sglang.srt.mem_cache.deepseek_v4_memory_pool as dp
-        from sglang_hisparse.dsv4 import DSV4C4DevicePool, DSV4HiSparseAllocator
+        from sglang_hisparse.pools.allocator_c4 import DSV4HiSparseAllocator
+        from sglang_hisparse.pools.device_c4 import DSV4C4DevicePool
         print(json.dumps(dict(
             applied=act.applied, error=act.error,
             names=[m.DeepSeekV4HiSparseTokenToKVPoolAllocator is DSV4HiSparseAllocator
@@ -577,7 +615,8 @@ def test_manifest_entries_check_out():
     from sglang_hisparse.manifest import ENTRIES, Kind, Scope
     from sglang_hisparse.plugin import check_entry
 
-    mine = [e for e in ENTRIES if (e.impl or "").startswith("sglang_hisparse.dsv4:")]
+    mine = [e for e in ENTRIES if (e.impl or "").startswith(
+        ("sglang_hisparse.pools.allocator_c4:", "sglang_hisparse.pools.device_c4:"))]
     assert {e.target.rsplit(".", 1)[1] for e in mine} == {
         "DeepSeekV4HiSparseTokenToKVPoolAllocator", "HiSparseC4DevicePool"}
     for e in mine:

@@ -6,6 +6,7 @@ these numbers, so they are checked here rather than trusted on the device."""
 import gzip
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -104,9 +105,19 @@ def _spin(n):
     return total
 
 
-def test_step_profile_dumps_from_the_scheduler_thread_and_compares_by_name(monkeypatch, tmp_path):
-    # The profile attributes what one configuration adds to a step: a
-    # function only B runs must come out on top, per decode batch.
+def _own_calls(prof_path, func):
+    """Calls of ``func`` a pstats dump recorded (counted, not timed)."""
+    import pstats
+
+    return sum(nc for (_, _, name), (_, nc, _, _, _) in pstats.Stats(str(prof_path)).stats.items()
+               if name == func)
+
+
+def test_step_profile_dumps_from_the_scheduler_thread(monkeypatch, tmp_path):
+    # The profile covers the batches after the reset, and only while the
+    # scheduler has batches: neither the warm-up nor an idle spin is in it.
+    # Checked by call counts and the batch count beside the dump, never by
+    # time (what the profiler's clock says on a shared box decides nothing).
     timer = _load_step_timer()
     from sglang.srt.managers.scheduler import Scheduler
 
@@ -119,19 +130,19 @@ def test_step_profile_dumps_from_the_scheduler_thread_and_compares_by_name(monke
         monkeypatch.setattr(timer.time, "time", lambda: clock[0])
         prof = timer._profile_scheduler_thread(str(out / "profile_1.prof"))
         try:
-            _spin(300_000)  # warm-up: cleared by the reset below
+            _spin(3)  # warm-up: cleared by the reset below
             (out / "profile_reset").touch()
             clock[0] = 1.0
             Scheduler.process_batch_result(None)
             assert not (out / "profile_reset").exists()
             for _ in range(10):
                 Scheduler.get_next_batch_to_run(1)
-                _spin(1000)
+                _spin(10)
                 if extra:
-                    _spin(20_000)
+                    _spin(20)
                 Scheduler.process_batch_result(None)
             Scheduler.get_next_batch_to_run(None)  # idle: not profiled
-            _spin(500_000)
+            _spin(5)
             clock[0] = 2.0
             Scheduler.get_next_batch_to_run(1)
             Scheduler.process_batch_result(None)
@@ -141,32 +152,100 @@ def test_step_profile_dumps_from_the_scheduler_thread_and_compares_by_name(monke
         return out
 
     a, b = one_config("a", False), one_config("b", True)
+    for out, calls in ((a, 10), (b, 20)):
+        assert json.loads((out / "profile_1.prof.json").read_text()) == {"batches": 11}
+        assert _own_calls(out / "profile_1.prof", "_spin") == calls
     rows = timer.compare_profiles(str(a), str(b))
     assert rows[1] == ("(batches)", 11, 11, 0)
-    top = rows[2]
-    assert "_spin" in top[0] and top[3] > 0 and top[2] > top[1]
-    # Neither the warm-up nor the idle spin counts: 10 x (1000 [+ 20000]) steps.
-    a_us, b_us = top[1] * 11, top[2] * 11
-    assert b_us > 5 * a_us
+    assert any("(_spin)" in row[0] for row in rows[2:])
 
 
-def test_busiest_threads_finds_a_spinning_thread():
-    # A thread spinning beside the scheduler slows it without showing in its
-    # profile; the sampler must name it and scale by the real interval.
-    import subprocess
-    import time as _time
+def _write_profile(path, own_seconds, batches):
+    """A pstats dump with the given own time per function, and its batch count."""
+    import marshal
+
+    stats = {key: (1, 1, tt, tt, {}) for key, tt in own_seconds.items()}
+    path.write_bytes(marshal.dumps(stats))
+    Path(str(path) + ".json").write_text(json.dumps({"batches": batches}))
+
+
+def test_compare_profiles_per_batch_arithmetic(tmp_path):
+    # Own time per batch, summed over a folder's dumps (one per scheduler
+    # process), builtins matched across processes without their address,
+    # largest |B - A| first: synthetic dumps, exact numbers.
+    timer = _load_step_timer()
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    spin = ("/x/steps.py", 7, "_spin")
+    sort_a = ("~", 0, "<method 'sort' of 'list' objects at 0x7f00aa>")
+    sort_b = ("~", 0, "<method 'sort' of 'list' objects at 0x7f11bb>")
+    only_b = ("/x/coord.py", 30, "map_last_loc_to_buffer")
+    _write_profile(a / "profile_1.prof", {spin: 0.010, sort_a: 0.004}, 10)
+    _write_profile(a / "profile_2.prof", {spin: 0.010}, 10)
+    _write_profile(b / "profile_1.prof", {spin: 0.020, sort_b: 0.002, only_b: 0.050}, 25)
+    rows = timer.compare_profiles(str(a), str(b))
+
+    def us(row):
+        return tuple(round(x, 6) for x in row[1:])
+
+    assert rows[1] == ("(batches)", 20, 25, 5)
+    assert us(rows[0]) == (1200.0, 2880.0, 1680.0)  # all functions, us per batch
+    body = {r[0]: us(r) for r in rows[2:]}
+    assert body == {
+        "coord.py:30(map_last_loc_to_buffer)": (0.0, 2000.0, 2000.0),
+        "steps.py:7(_spin)": (1000.0, 800.0, -200.0),
+        "~:0(<method 'sort' of 'list' objects>)": (200.0, 80.0, -120.0),
+    }
+    assert [r[0] for r in rows[2:]] == list(body)  # largest difference first
+
+
+def test_busiest_threads_scales_by_the_real_interval(monkeypatch):
+    # Synthetic /proc snapshots and clock: reading each snapshot took 1 s and
+    # the sleep 0.5 s, so the interval between the snapshots' midpoints is
+    # 1.5 s; a thread that used 1.5 s of CPU in it ran one whole core.
+    prof = _load("profile_decode", SCRIPTS / "profile_decode.py")
+    hz = os.sysconf("SC_CLK_TCK")
+    before = {(10, 10): ("python", "spin", 3, 100), (10, 11): ("python", "idle", 0, 50),
+              (20, 20): ("sglang", "sched", 1, 0)}
+    after = {(10, 10): ("python", "spin", 5, 100 + int(1.5 * hz)),
+             (10, 11): ("python", "idle", 0, 50),
+             (20, 20): ("sglang", "sched", 1, int(0.75 * hz)),
+             (30, 30): ("new", "born", 2, 7)}  # started in between: no earlier reading
+    snapshots = iter([before, after])
+    monkeypatch.setattr(prof, "thread_cpu_times", lambda: next(snapshots))
+    clock = iter([0.0, 1.0, 1.5, 2.5])
+    monkeypatch.setattr(prof.time, "monotonic", lambda: next(clock))
+    slept = []
+    monkeypatch.setattr(prof.time, "sleep", slept.append)
+    text = prof.busiest_threads(0.5).splitlines()
+    assert slept == [0.5]
+    assert text[0].startswith("busiest threads over 1.5 s")
+    rows = [line.split() for line in text[1:]]
+    # (share of a core, pid, tid, last core)
+    assert [(r[0], r[2], r[4], r[6]) for r in rows] == [("100.0%", "10", "10", "5"),
+                                                        ("50.0%", "20", "20", "1")]
+
+
+def test_thread_cpu_times_lists_every_thread_of_a_process():
+    # The /proc reader on this machine: this process and each of its
+    # threads, by (pid, tid), with its name and tick counts.
+    import threading
 
     prof = _load("profile_decode", SCRIPTS / "profile_decode.py")
-    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    stop = threading.Event()
+    worker = threading.Thread(target=stop.wait)
+    worker.start()
     try:
-        _time.sleep(0.2)
-        text = prof.busiest_threads(0.5)
+        times = prof.thread_cpu_times()
     finally:
-        spin.kill()
-        spin.wait()
-    row = next(line for line in text.splitlines() if f"pid {spin.pid:>7}" in line)
-    assert float(row.split("%")[0]) > 40.0  # a whole core, less what a 2-core CI box shares
-    assert float(row.split("%")[0]) < 130.0
+        stop.set()
+        worker.join()
+    mine = {tid: v for (pid, tid), v in times.items() if pid == os.getpid()}
+    assert os.getpid() in mine and worker.native_id in mine
+    comm = Path("/proc/self/comm").read_text().strip()
+    assert {v[0] for v in mine.values()} == {comm}
+    assert all(isinstance(v[3], int) and v[3] >= 0 for v in mine.values())
 
 
 def test_core_probe_and_sigterm_cleanup(tmp_path):
@@ -233,3 +312,211 @@ def test_workload_limit_and_each_configs_share_of_it(capsys):
     assert line.startswith("tiny        limit   ~95.7 tok/s (x1.91 base) = 4 prefills x 0.100 s")
     assert line.endswith("share of it: base 0.52, ours 0.84")
     assert rows[-1]["config"] == "limit" and abs(rows[1]["tok_s_vs_limit"] - 80 / (40 / 0.418)) < 1e-9
+
+
+# --- model_config.py, e2e's --ref-pkg and --check (appended) ---
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def test_model_config_writes_the_v32_geometry_and_sglang_reads_it(tmp_path):
+    mc = _load("model_config", SCRIPTS / "model_config.py")
+    assert mc.main(["--geometry", "v32", "--layers", "61", "--out", str(tmp_path / "v32")]) == 0
+    cfg = json.loads((tmp_path / "v32" / "config.json").read_text())
+    assert cfg == json.loads((DATA / "dsv32-geometry" / "config.json").read_text())
+    expect = {"hidden_size": 7168, "num_attention_heads": 128, "q_lora_rank": 1536,
+              "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
+              "v_head_dim": 128, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048,
+              "num_hidden_layers": 61, "first_k_dense_replace": 61, "intermediate_size": 2048}
+    assert {k: cfg[k] for k in expect} == expect
+    # Everything else is the kit's tiny config.
+    tiny = json.loads((DATA / "tiny-dsv32" / "config.json").read_text())
+    changed = {k for k in tiny if tiny[k] != cfg[k]}
+    assert changed == {"hidden_size", "num_attention_heads", "num_key_value_heads",
+                       "num_hidden_layers", "first_k_dense_replace"}
+    assert set(cfg) == set(tiny)
+    est = mc.estimate(cfg)
+    assert 15e9 < est["params"] < 16e9  # ~31 GB of bf16 weights
+    assert est["kv_bytes_per_token"] == 61 * (2 * 576 + 132)
+
+    short = mc.build_config("v32", 3)
+    assert short["num_hidden_layers"] == short["first_k_dense_replace"] == 3
+    for bad in (("v4", None), ("v32", 0)):
+        try:
+            mc.build_config(*bad)
+        except ValueError as exc:
+            assert "--geometry" in str(exc) or "--layers" in str(exc)
+        else:
+            raise AssertionError(f"{bad} was accepted")
+
+    # SGLang 0.5.13's own reader: DSA architecture, MLA, all layers dense.
+    from sglang.srt.configs.model_config import (
+        ModelConfig, get_dsa_index_head_dim, get_dsa_index_n_heads, get_dsa_index_topk,
+        is_deepseek_dsa)
+
+    m = ModelConfig(str(tmp_path / "v32"))
+    hf = m.hf_config
+    assert is_deepseek_dsa(hf) and hf.architectures == ["DeepseekV32ForCausalLM"]
+    assert (m.num_hidden_layers, m.kv_lora_rank, m.qk_rope_head_dim) == (61, 512, 64)
+    assert (get_dsa_index_n_heads(hf), get_dsa_index_head_dim(hf), get_dsa_index_topk(hf)) == \
+        (64, 128, 2048)
+    assert hf.hidden_size == 7168 and hf.num_attention_heads == 128
+    dense = [i for i in range(hf.num_hidden_layers)
+             if not (hf.n_routed_experts is not None and i >= hf.first_k_dense_replace
+                     and i % hf.moe_layer_freq == 0)]  # deepseek_v2.py's MoE test
+    assert len(dense) == 61
+
+
+def test_model_config_tiny_reproduces_the_kit_config(tmp_path):
+    mc = _load("model_config", SCRIPTS / "model_config.py")
+    kit = json.loads((DATA / "tiny-dsv32" / "config.json").read_text())
+    assert mc.build_config("tiny") == kit
+    six = mc.build_config("tiny", 6)
+    assert six["num_hidden_layers"] == six["first_k_dense_replace"] == 6
+    assert {k: v for k, v in six.items() if kit[k] != v}.keys() == {"num_hidden_layers",
+                                                                      "first_k_dense_replace"}
+    kit_copy = Path(__file__).resolve().parents[1] / ".gpu" / "tiny-dsv32" / "config.json"
+    if kit_copy.exists():  # the kit is git-ignored; CI has only tests/data
+        assert json.loads(kit_copy.read_text()) == kit
+
+
+def _decode_line(running, misses, checked=None, mismatch=None):
+    exact = (f", #exact checked: {checked}, #exact mismatch: {mismatch}"
+             if checked is not None else "")
+    return (f"[2026-12-01 10:00:00 TP0] Decode batch, #running-req: {running}, #token: 9000, "
+            f"token usage: 0.10, hisparse hit rate: 0.612, #hisparse miss: {misses}, "
+            f"host read: 12.5 MiB{exact}, cuda graph: True, gen throughput (token/s): 800.00, "
+            f"#queue-req: 0\n")
+
+
+def test_exactness_counters_from_the_decode_log_and_their_verdicts(tmp_path, capsys):
+    e2e = _load("e2e_gpu", SCRIPTS / "e2e_gpu.py")
+    log = tmp_path / "server.log"
+    log.write_text(_decode_line(16, 0, 0, 0) + _decode_line(16, 5000, 120, 0)
+                   + _decode_line(4, 9000, 480, 0))
+    st = e2e.log_stats(log, 0)
+    assert (st["exact_checked"], st["exact_mismatch"], st["exact_first_mismatch"]) == (480, 0, None)
+    assert st["hisparse_misses"] == 9000 and st["max_running"] == 16
+    assert st["decode_step_ms"] == 16 * 1000 / 800  # the appended field leaves the rate readable
+    assert e2e.check_verdict("ours", st) == {"expect": "exact", "verdict": "exact",
+                                             "check_ok": True, "host_misses_seen": True}
+    assert e2e.check_verdict("noio", st)["verdict"] == "MISSED"
+    assert e2e.check_verdict("ref", st)["check_ok"] is None  # another package: not judged
+
+    mark = log.stat().st_size
+    with log.open("a") as f:
+        f.write("[2026-12-01 10:00:01 TP0] ERROR HiSparse exactness check: first mismatch: "
+                "req 3 layer 0 logical 8123 row 77\n")
+        f.write(_decode_line(16, 12000, 900, 35))
+    seg = e2e.log_stats(log, mark)
+    assert (seg["exact_checked"], seg["exact_mismatch"]) == (900, 35)
+    assert seg["exact_first_mismatch"].startswith("HiSparse exactness check: first mismatch: req 3")
+    assert e2e.check_verdict("noio", seg)["verdict"] == "caught"
+    assert e2e.check_verdict("ours", seg)["verdict"] == "MISMATCH"
+    # A line alone (counters not printed yet) is still a mismatch.
+    only_line = dict(seg, exact_mismatch=0)
+    assert e2e.check_verdict("ours", only_line)["check_ok"] is False
+
+    # No counters at all: the check did not run, which must not pass.
+    plain = tmp_path / "plain.log"
+    plain.write_text(_decode_line(1, 0))
+    none = e2e.log_stats(plain, 0)
+    assert none["exact_checked"] is None
+    assert e2e.check_verdict("ours", none) == {"expect": "exact", "verdict": "NOT CHECKED",
+                                               "check_ok": False, "host_misses_seen": False}
+
+    launches = [dict(config="ours", rep=0, workloads=["concurrent"], check=True, **st,
+                     **e2e.check_verdict("ours", st)),
+                dict(config="noio", rep=0, workloads=["concurrent"], check=True, **seg,
+                     **e2e.check_verdict("noio", seg)),
+                dict(config="base", rep=0, workloads=["concurrent"], check=False)]
+    rows = e2e.summarize_checks(launches)
+    assert [r["config"] for r in rows] == ["ours", "noio"]
+    text = capsys.readouterr().out.splitlines()
+    assert text[1].startswith("exactness check (SGLANG_HISPARSE_CHECK=1")
+    ours = text[3].split()
+    assert ours[:5] == ["ours", "0", "concurrent", "480", "0"] and ours[-2:] == ["9000", "exact"]
+    noio = text[4].split()
+    assert noio[3:6] == ["900", "35", "yes"] and noio[-1] == "caught"
+    assert text[5].strip().startswith("HiSparse exactness check: first mismatch")
+
+
+def test_ref_config_runs_the_other_package_and_check_reaches_hisparse_servers(tmp_path, monkeypatch):
+    e2e = _load("e2e_gpu", SCRIPTS / "e2e_gpu.py")
+    ours, ref, other = tmp_path / "proj", tmp_path / "ref", tmp_path / "site"
+    for d in (ours, ref):
+        (d / "sglang_hisparse").mkdir(parents=True)
+        (d / "sglang_hisparse" / "__init__.py").write_text("")
+        (d / "sglang_hisparse-0.1.0.dist-info").mkdir()
+        (d / "sglang_hisparse-0.1.0.dist-info" / "entry_points.txt").write_text(
+            "[sglang.srt.plugins]\nsglang_hisparse = sglang_hisparse.plugin:register\n")
+    other.mkdir()
+    monkeypatch.setenv("PYTHONPATH", f"{ours}:{other}")
+    monkeypatch.delenv(e2e.CHECK_ENV, raising=False)
+    assert e2e.check_ref_pkg(str(ref)) == str(ref.resolve())
+    for bad in (other, tmp_path / "missing"):
+        try:
+            e2e.check_ref_pkg(str(bad))
+        except ValueError as exc:
+            assert "--ref-pkg" in str(exc)
+        else:
+            raise AssertionError(f"{bad} was accepted")
+
+    cmd, env = e2e.server_cmd("/m", 1, "ref", ["--max-total-tokens", "40000"], ref_pkg=str(ref),
+                              check=True, server_args=["--mem-fraction-static", "0.45"])
+    assert env["PYTHONPATH"].split(":") == [str(ref), str(other)]
+    assert env[e2e.CHECK_ENV] == "1" and "--enable-hisparse" in cmd
+    assert cmd.count("--max-total-tokens") == 1
+    assert cmd[cmd.index("--mem-fraction-static", cmd.index("40000")) + 1] == "0.45"  # the last wins
+    _, env = e2e.server_cmd("/m", 1, "ours", [], check=True,
+                            hs_config={"top_k": 2048, "device_buffer_size": 4096,
+                                       "host_to_device_ratio": 2})
+    assert env["PYTHONPATH"] == f"{ours}:{other}" and env[e2e.CHECK_ENV] == "1"
+    cmd, env = e2e.server_cmd("/m", 1, "base", [], check=True)
+    assert e2e.CHECK_ENV not in env and "--enable-hisparse" not in cmd
+    cmd, _ = e2e.server_cmd("/m", 1, "ours", [], hs_config={"host_to_device_ratio": 2})
+    assert json.loads(cmd[cmd.index("--hisparse-config") + 1]) == {"host_to_device_ratio": 2}
+    for cfg, kw in (("ours2", {}), ("ref", {})):
+        try:
+            e2e.server_cmd("/m", 1, cfg, [], **kw)
+        except ValueError as exc:
+            assert cfg in str(exc) or "--ref-pkg" in str(exc)
+        else:
+            raise AssertionError(f"{cfg} was accepted")
+
+    # What the server would import, seen from the servers' empty directory.
+    _, env = e2e.server_cmd("/m", 1, "ref", [], ref_pkg=str(ref))
+    origin = e2e.package_origin(env)
+    assert origin["origin"] == str(ref / "sglang_hisparse" / "__init__.py")
+    assert origin["entry_point"] == "sglang_hisparse.plugin:register"
+    assert not any(Path(e2e.server_cwd()).iterdir())
+
+
+def test_merge_keeps_each_rounds_check_launches(tmp_path, capsys):
+    e2e = _load("e2e_gpu", SCRIPTS / "e2e_gpu.py")
+    run = {"requests": [{"ttft": 0.1, "output_ids": [1, 2], "top2": [], "logprobs": []}],
+           "errors": [], "output_tok_s": 10.0, "mean_tpot_ms": 2.0, "decode_step_ms": 2.0}
+    paths = []
+    for i, (cfg, checked) in enumerate((("ref", None), ("ours", 64))):
+        launch = {"config": cfg, "rep": 0, "workloads": ["lone"], "check": True,
+                  "exact_checked": checked, "exact_mismatch": 0 if checked else None,
+                  "exact_first_mismatch": None, "hisparse_misses": 10}
+        launch.update(e2e.check_verdict(cfg, launch))
+        p = tmp_path / f"r{i}.json"
+        p.write_text(json.dumps({"runs": {"base": {"lone": [run]}, cfg: {"lone": [run]}},
+                                 "launches": [launch]}))
+        paths.append(str(p))
+    out = tmp_path / "merged.json"
+
+    class Args:
+        merge, margin, tol = paths, 0.05, 0.05
+
+    Args.out = str(out)
+    assert e2e.merge(Args) == 0
+    merged = json.loads(out.read_text())
+    assert [x["config"] for x in merged["launches"]] == ["ref", "ours"]
+    assert [x["verdict"] for x in merged["checks"]] == ["n/a", "exact"]
+    rows = {r["config"]: r for r in merged["summary"] if r["workload"] == "lone"}
+    assert list(rows) == ["base", "ref", "ours", "limit"]
+    assert rows["ours"]["tok_s_vs_ref"] == 1.0 and rows["ours"]["exactness_vs_ref"]["violations"] == 0
+    assert "x1.00 ref" in capsys.readouterr().out

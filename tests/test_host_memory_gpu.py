@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from sglang_hisparse import host_memory
+from sglang_hisparse.pools import host_memory
 
 pytestmark = pytest.mark.gpu
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dataplane_fixtures import PS, dsa_pool, req_pool
-from sglang_hisparse.host_pool import (
+from sglang_hisparse.pools.host import (
     C4_SCALE_BYTES, C4_VALUE_BYTES, HiSparseC4HostPool, HiSparseMLAHostPool, HostPoolExhausted,
     c4_page_bytes,
 )
@@ -86,10 +86,22 @@ def test_cpu_backup_and_load_roundtrip(pool):
     assert torch.equal(pool.kv_buffer[1][back], pool.kv_buffer[1][dev_rows])
 
 
-def test_destroy_is_idempotent(pool):
+def test_destroy_releases_each_buffer_once(pool, monkeypatch):
+    from sglang_hisparse.pools import host_memory
+
+    released = []
+    monkeypatch.setattr(host_memory, "release", lambda buf: released.append(buf.data_ptr()))
     host = HiSparseMLAHostPool(pool, host_to_device_ratio=2, page_size=PS)
+    c4 = HiSparseC4HostPool([torch.zeros(2, c4_page_bytes(), dtype=torch.uint8)] * 3,
+                            num_host_pages=4)
     host.destroy()
-    host.destroy()
+    assert released == [host.kv_buffer.data_ptr()]
+    host.destroy()  # idempotent: nothing released twice
+    assert released == [host.kv_buffer.data_ptr()]
+    released.clear()
+    c4.destroy()
+    c4.destroy()
+    assert released == [b.data_ptr() for b in c4.kv_buffer] and len(set(released)) == 3
 
 
 def test_c4_layout_and_token_copies():
@@ -133,3 +145,48 @@ def test_c4_matches_kernel_reference_layout():
     got = reference.read_rows(host.kv_buffer[0], torch.tensor([70]), layout="c4")
     want = reference.read_rows(dev[0], torch.tensor([9]), layout="c4")
     assert torch.equal(got, want)
+
+
+
+def test_c4_gpu_path_builds_its_pointer_arrays_once(monkeypatch):
+    # The GPU path hands SGLang's copy kernel per-layer base addresses. They
+    # are built at the first copy and reused, so steady-state write-through
+    # does no host-to-device copy for them. On CPU the kernel is stood in
+    # for by a copy that resolves the addresses back to the buffers, which
+    # also checks that each direction and layer gets the right arrays.
+    import sglang.jit_kernel.hisparse as jit_hisparse
+    from sglang_hisparse.kernels import reference
+
+    dev = [torch.randint(0, 255, (3, c4_page_bytes()), dtype=torch.uint8) for _ in range(3)]
+    host = HiSparseC4HostPool(dev, num_host_pages=4)
+    by_ptr = {b.data_ptr(): b for b in dev + host.kv_buffer}
+    seen = []
+
+    def kernel(src_ptrs, dst_ptrs, src_indices, dst_indices):
+        seen.append((src_ptrs, dst_ptrs))
+        for s, d in zip(src_ptrs.tolist(), dst_ptrs.tolist()):
+            host._copy_tokens(by_ptr[s], by_ptr[d], src_indices, dst_indices)
+
+    monkeypatch.setattr(jit_hisparse, "transfer_cache_dsv4_mla", kernel)
+    monkeypatch.setattr(host, "_gpu", lambda *t: True)
+    src, dst = torch.tensor([3, 81]), torch.tensor([130, 5])
+    host.backup_from_device_all_layer(None, dst, src)
+    first = host._ptrs
+    for _ in range(2):
+        host.backup_from_device_all_layer(None, dst, src)
+    back = torch.tensor([150, 151])
+    host.load_to_device_per_layer(None, dst, back, 2)
+    assert host._ptrs is first  # not rebuilt
+    device_ptrs, host_ptrs = first
+    assert device_ptrs.tolist() == [b.data_ptr() for b in dev]
+    assert host_ptrs.tolist() == [b.data_ptr() for b in host.kv_buffer]
+    assert len(seen) == 4 and all(s is device_ptrs and d is host_ptrs for s, d in seen[:3])
+    assert seen[3][0].tolist() == host_ptrs[2:3].tolist()
+    assert seen[3][1].tolist() == device_ptrs[2:3].tolist()
+    for layer in range(3):
+        assert torch.equal(reference.read_rows(host.kv_buffer[layer], dst, layout="c4"),
+                           reference.read_rows(dev[layer], src, layout="c4"))
+    assert torch.equal(reference.read_rows(dev[2], back, layout="c4"),
+                       reference.read_rows(dev[2], src, layout="c4"))
+    assert not torch.equal(reference.read_rows(dev[1], back, layout="c4"),
+                           reference.read_rows(dev[1], src, layout="c4"))  # one layer only

@@ -28,6 +28,10 @@ def test_wheel_layout_and_installed_plugin(tmp_path):
     assert "sglang_hisparse = sglang_hisparse.plugin:register" in ep_text
     for data in list(PKG.glob("jit_csrc/*.cuh")) + list(PKG.glob("patches/*/*.diff")):
         assert data.relative_to(REPO).as_posix() in names, data
+    # Every module of every subpackage (adapter/, engine/, pools/, kernels/ ...).
+    for module in PKG.rglob("*.py"):
+        if "__pycache__" not in module.parts:
+            assert module.relative_to(REPO).as_posix() in names, module
     assert any(n.startswith("sglang_hisparse/patches/sglang-0.5.13/") for n in names)
 
     # Installed from the wheel (not the source tree): SGLang's loader finds it
@@ -46,12 +50,18 @@ def test_wheel_layout_and_installed_plugin(tmp_path):
         from sglang.srt.plugins import load_plugins
         load_plugins()
         import sglang_hisparse, sglang_hisparse.plugin as plugin
+        import sglang_hisparse.adapter.hook_registry as hook_registry
+        from sglang_hisparse.manifest import ENTRIES
+        act = plugin.current_activation()
         print(json.dumps(dict(path=sglang_hisparse.__file__,
-                              applied=plugin.current_activation().applied)))
+                              adapter=hook_registry.__file__,
+                              applied=act.applied, error=act.error,
+                              checked=len(act.checks), entries=len(ENTRIES))))
         """ % str(REPO),
         env={"PYTHONPATH": str(site)},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert res["path"].startswith(str(site)), res
-    assert res["applied"]
+    assert res["path"].startswith(str(site)) and res["adapter"].startswith(str(site)), res
+    assert res["applied"], res["error"]
+    assert res["checked"] == res["entries"]  # hooks and DEPENDS alike

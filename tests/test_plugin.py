@@ -38,18 +38,29 @@ def test_load_plugins_activates_once_and_is_idempotent():
         load_plugins()
         second = Scheduler.__dict__["_build_hisparse_decode_batch"]
         act = plugin.current_activation()
+        from sglang.srt.plugins.hook_registry import HookRegistry
         print(json.dumps(dict(
             applied=act.applied,
             version=act.version,
             changed=first is not original[0],
             stable=first is second,
             wraps_original=getattr(first, "__wrapped__", None) is original[0],
+            registered=sorted(HookRegistry._hooks),
+            depends_hooks=[c.hook for c in act.checks if c.entry.kind.value == "DEPENDS"],
         )))
         """
     )
     res = _last_json(proc)
     assert res["applied"] and res["version"] == "0.5.13"
     assert res["changed"] and res["stable"] and res["wraps_original"], res
+    # Every hook is registered with SGLang (beside other installed plugins'
+    # hooks); DEPENDS entries install nothing.
+    from sglang_hisparse.manifest import DEPENDS, HOOKS, Kind
+
+    ours = {e.target for e in HOOKS if e.kind is not Kind.PROPERTY}
+    assert ours <= set(res["registered"])
+    assert not {e.target for e in DEPENDS} & set(res["registered"])
+    assert len(res["depends_hooks"]) == len(DEPENDS) and not any(res["depends_hooks"])
 
 
 def test_patched_decode_batch_sets_cpu_indices():
@@ -58,8 +69,7 @@ def test_patched_decode_batch_sets_cpu_indices():
         import json
         from sglang_hisparse.plugin import activate
         act = activate()
-        from sglang.srt.plugins.hook_registry import HookRegistry
-        hook = HookRegistry._hooks[%r][0][1]
+        hook = next(c.hook for c in act.checks if c.entry.target == %r)
         print(json.dumps(dict(applied=act.applied,
                               names=list(hook.__code__.co_names),
                               qualname=hook.__qualname__, module=hook.__module__)))
@@ -155,10 +165,10 @@ def test_sglang_plugins_whitelist_without_us_skips_us():
 _REFUSALS = """
 import json, pathlib, tempfile, dataclasses
 import sglang_hisparse.source_patch as source_patch
-from sglang_hisparse.manifest import ENTRIES, Entry, Kind
+from sglang_hisparse.manifest import ENTRIES, Entry, Kind, Process
 from sglang_hisparse.plugin import activate
 from sglang_hisparse.pinned_source import read_pinned_source
-from sglang.srt.plugins.hook_registry import HookRegistry
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 import sglang.srt.managers.scheduler as sched_mod
 from sglang.srt.managers.scheduler import Scheduler
 
@@ -180,7 +190,7 @@ results["unsupported"] = dict(applied=act.applied, error=act.error, untouched=un
 bad_hash = Entry(
     target="sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run",
     kind=Kind.AFTER, sha256={"0.5.13": "0" * 64}, why="test", native_in=None,
-    impl="builtins:print")
+    process=Process.SCHEDULER, impl="builtins:print")
 act = activate(entries=(good, bad_hash))
 results["bad_hash"] = dict(applied=act.applied, error=act.error, untouched=untouched())
 
@@ -200,9 +210,28 @@ results["stale_hunk"] = dict(applied=act.applied, error=act.error, untouched=unt
 cls_target = "sglang.srt.managers.scheduler.Scheduler"
 bad_kind = Entry(target=cls_target, kind=Kind.AFTER,
                  sha256={"0.5.13": read_pinned_source(cls_target).sha256},
-                 why="test", native_in=None, impl="builtins:print")
+                 why="test", native_in=None, process=Process.SCHEDULER, impl="builtins:print")
 act = activate(entries=(good, bad_kind))
 results["rollback"] = dict(applied=act.applied, error=act.error, untouched=untouched())
+
+# Another plugin's hook already applied on a target of ours: 0.5.13's
+# apply_hooks skips the target, so ours is registered but never installed.
+# That is a refusal too, and the other plugin's hook stays as it was.
+other_target = TARGET.rsplit(".", 1)[0] + ".get_next_batch_to_run"
+def theirs(original, *args, **kwargs):
+    return original(*args, **kwargs)
+HookRegistry.register(other_target, theirs, HookType.AROUND)
+HookRegistry.apply_hooks()
+their_wrapper = Scheduler.__dict__["get_next_batch_to_run"]
+ours = next(e for e in ENTRIES if e.target == other_target)
+act = activate(entries=(good, ours))
+results["skipped"] = dict(
+    applied=act.applied, error=act.error,
+    untouched=(Scheduler.__dict__["get_next_batch_to_run"] is their_wrapper
+               and [h[1] for h in HookRegistry._hooks[other_target]] == [theirs]
+               and other_target in HookRegistry._patched
+               and Scheduler.__dict__[TARGET.rsplit(".", 1)[1]] is snapshot[TARGET.rsplit(".", 1)[1]]
+               and TARGET not in HookRegistry._hooks))
 print(json.dumps(results))
 """
 
@@ -222,5 +251,42 @@ def test_refusals_leave_sglang_untouched():
 
     assert not res["rollback"]["applied"]
     assert "rolled back" in res["rollback"]["error"]
+
+    assert not res["skipped"]["applied"]
+    assert "rolled back" in res["skipped"]["error"] and "get_next_batch_to_run" in res["skipped"]["error"]
     for case in res.values():
         assert case["untouched"], case
+
+
+def _code_names(path):
+    """Imported modules and names used in code (not docstrings) of one file."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    imported, names = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported.add(node.module or "")
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.Name):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            names.add(node.attr)
+    return imported, names
+
+
+def test_only_the_adapter_installs_through_sglangs_hook_registry():
+    from conftest import REPO
+
+    pkg = REPO / "sglang_hisparse"
+    imported, _ = _code_names(pkg / "plugin.py")
+    assert not any(m == "sglang" or m.startswith("sglang.") for m in imported), imported
+    users = sorted(
+        str(path.relative_to(pkg))
+        for path in pkg.rglob("*.py")
+        if {"HookRegistry", "HookType"} & _code_names(path)[1]
+        or any("hook_registry" in m and m.startswith("sglang.") for m in _code_names(path)[0])
+    )
+    assert users == ["adapter/hook_registry.py"], users

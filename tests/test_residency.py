@@ -7,6 +7,7 @@ import torch
 
 from dataplane_fixtures import PS, get_tag, release
 from test_coordinator import HOT, TOPK, Env
+from sglang_hisparse.engine.state import ReqState
 
 P = HOT + PS  # a hot buffer with its newest-token page
 
@@ -54,8 +55,8 @@ def test_admission_demotes_the_largest_resident():
     assert env.alloc.available_size() >= 128 + 704 - P
     c = env.staged("c", 500)  # needs 512 rows: `a` is demoted to make room
     assert env.coord.demotions == 1
-    assert a.req_pool_idx not in env.coord._resident_rows
-    assert b.req_pool_idx in env.coord._resident_rows
+    assert env.coord.state_of(a) is ReqState.HOT
+    assert env.coord.state_of(b).is_resident
     assert int(env.coord.req_device_buffer_size[a.req_pool_idx]) == P
     host_rows = env.coord.req_to_host_pool[a.req_pool_idx, :601]
     assert get_tag(env.host.kv_buffer[1], host_rows) == list(range(601))  # all it had
@@ -81,7 +82,7 @@ def test_growth_demotes_when_rows_run_out():
     for _ in range(70):
         rpi, seq = env.decode([a, b])
     # a's next page did not fit beside b's reserved growth: a was demoted
-    assert env.coord.demotions == 1 and a.req_pool_idx not in env.coord._resident_rows
+    assert env.coord.demotions == 1 and not env.coord.state_of(a).is_resident
     picks = [[0, 319, 360, 389], [0, 150, 189]]
     assert swap(env, [a, b], rpi, seq, picks) == picks
     env.finish(a)
@@ -110,13 +111,13 @@ def test_abort_and_retract_of_residents_return_everything(state):
 def test_residency_off_stages_as_before(monkeypatch):
     monkeypatch.setenv("SGLANG_HISPARSE_RESIDENCY", "0")
     from dataplane_fixtures import dsa_pool, req_pool
-    from sglang_hisparse.allocator import HiSparseDualAllocator
-    from sglang_hisparse.coordinator import HiSparseCoordinator
+    from sglang_hisparse.pools.allocator import HiSparseDualAllocator
+    from sglang_hisparse.adapter.model_runner import HiSparseCoordinator
 
     pool = dsa_pool(1024)
     alloc = HiSparseDualAllocator(1024, PS, torch.bfloat16, "cpu", pool, False, 2)
     coord = HiSparseCoordinator(req_pool(8, 2048), alloc, TOPK, HOT, "cpu", None, 2)
-    assert coord.residency is False
+    assert coord.residency.enabled is False
 
 
 def test_available_size_is_the_composed_budget():

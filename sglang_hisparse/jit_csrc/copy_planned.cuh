@@ -18,6 +18,7 @@
 #include <cstdint>
 
 #include "kv_rows.cuh"
+#include "launch_args.cuh"
 
 namespace hisparse_plugin {
 
@@ -100,17 +101,13 @@ struct CopyPlanned {
     auto PW = SymbolicSize{"plan_width"};
     auto MS = SymbolicSize{"miss_src.stride(0)"};
     auto MD = SymbolicSize{"miss_dst.stride(0)"};
-    auto RB = SymbolicSize{"row_bytes"};
-    auto HKS = SymbolicSize{"host_kv.stride(0)"};
-    auto DKS = SymbolicSize{"device_kv.stride(0)"};
     auto cuda = SymbolicDevice{};
     cuda.set_options<kDLCUDA>();
     TensorMatcher({BS, PW}).with_strides({MS, 1}).with_dtype<int64_t>().with_device(cuda).verify(miss_src);
     TensorMatcher({BS, PW}).with_strides({MD, 1}).with_dtype<int32_t>().with_device(cuda).verify(miss_dst);
     TensorMatcher({BS}).with_dtype<int32_t>().with_device(cuda).verify(miss_count);
     TensorMatcher({1}).with_dtype<int32_t>().with_device(cuda).verify(num_real_reqs);
-    TensorMatcher({-1, RB}).with_strides({HKS, 1}).with_dtype<uint8_t>().verify(host_kv);
-    TensorMatcher({-1, RB}).with_strides({DKS, 1}).with_dtype<uint8_t>().with_device(cuda).verify(device_kv);
+    const KvPools pools = KvPools::verify(host_kv, device_kv, cuda);
     RuntimeCheck(num_blocks >= 1 && num_blocks <= (1 << 20), "num_blocks out of range: ", num_blocks);
     const int64_t bs = BS.unwrap();
     RuntimeCheck(bs <= 12000, "copy_planned supports at most 12000 rows, got ", bs);
@@ -121,12 +118,12 @@ struct CopyPlanned {
     params.miss_dst = static_cast<const int32_t*>(miss_dst.data_ptr());
     params.miss_count = static_cast<const int32_t*>(miss_count.data_ptr());
     params.num_real_reqs = static_cast<const int32_t*>(num_real_reqs.data_ptr());
-    params.host_kv = device_view_of_host(host_kv.data_ptr(), host_kv.device());
-    params.device_kv = static_cast<char*>(device_kv.data_ptr());
+    params.host_kv = pools.host;
+    params.device_kv = pools.device;
     params.miss_src_stride = MS.unwrap();
     params.miss_dst_stride = MD.unwrap();
-    params.host_kv_stride = HKS.unwrap();
-    params.device_kv_stride = DKS.unwrap();
+    params.host_kv_stride = pools.host_stride;
+    params.device_kv_stride = pools.device_stride;
     params.bs = static_cast<int32_t>(bs);
     params.plan_width = static_cast<int32_t>(PW.unwrap());
 

@@ -1,5 +1,5 @@
-// KV row layouts, the warp-wide row copy and the warp scan shared by every
-// HiSparse swap-in kernel.
+// KV row layouts, the warp-wide row copy and compare, and the warp scan shared
+// by every HiSparse kernel family (swap-in, plan replay, exactness check).
 //
 // A "row" is one token's KV bytes. The host pool and the device pool share the
 // layout; only their base pointers and strides differ. A warp moves one row:
@@ -54,6 +54,12 @@ SGL_DEVICE uint1 load_ro(const uint1* p) {
   return v;
 }
 
+SGL_DEVICE bool same_vec(const uint4& a, const uint4& b) {
+  return a.x == b.x && a.y == b.y && a.z == b.z && a.w == b.w;
+}
+SGL_DEVICE bool same_vec(const uint2& a, const uint2& b) { return a.x == b.x && a.y == b.y; }
+SGL_DEVICE bool same_vec(const uint1& a, const uint1& b) { return a.x == b.x; }
+
 template <int kBytes>
 struct VecOf;
 template <>
@@ -99,6 +105,18 @@ struct RowIO<kLayoutRows, kItemBytes> {
     }
   }
 
+  // Whether this lane's share of two loaded rows is equal (a warp compares
+  // whole rows with __all_sync over it).
+  SGL_DEVICE static bool same(const Staged& x, const Staged& y, int lane) {
+    bool eq = true;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const int c = i * kWarp + lane;
+      if (kVecs % kWarp == 0 || c < kVecs) eq = eq && same_vec(x.v[i], y.v[i]);
+    }
+    return eq;
+  }
+
   SGL_DEVICE static void store(const Staged& st, char* base, int64_t stride, int64_t row, int lane) {
     Vec* dst = reinterpret_cast<Vec*>(base + row * stride);
 #pragma unroll
@@ -136,6 +154,13 @@ struct RowIO<kLayoutDsv4C4, kItemBytes> {
     if (lane == kScaleLane) {
       st.s = load_ro(reinterpret_cast<const uint2*>(page + c4::kScaleOffset + slot * c4::kScaleBytes));
     }
+  }
+
+  SGL_DEVICE static bool same(const Staged& x, const Staged& y, int lane) {
+    bool eq = same_vec(x.a, y.a);
+    if (lane + kWarp < kValueVecs) eq = eq && same_vec(x.b, y.b);
+    if (lane == kScaleLane) eq = eq && same_vec(x.s, y.s);
+    return eq;
   }
 
   SGL_DEVICE static void store(const Staged& st, char* base, int64_t stride, int64_t row, int lane) {

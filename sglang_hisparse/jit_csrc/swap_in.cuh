@@ -50,6 +50,13 @@
 // (batch 8: 10.9 vs 9.6 us), so neither is used. What bounds the miss-heavy
 // small-batch points is the gather itself: a copy-only replay of the same
 // rows (bench_kernels.py, "gather") moves them at ~87% of the DMA ceiling.
+//
+// Template axes. kTopK, kHot, kItemBytes, kLayout, kThreads and kHashScale
+// shape the serving kernel. kRecordPlan (write the miss plan that
+// copy_planned.cuh replays), kSkipIO (resolve without moving bytes: the
+// SGLANG_HISPARSE_SKIP_IO timing probe) and kProbe (phase stamps, probe.cuh)
+// are separate variants, built only when asked for, so the serving variant
+// carries none of their code.
 #pragma once
 
 #include <sgl_kernel/tensor.h>
@@ -64,6 +71,8 @@
 #include <type_traits>
 
 #include "kv_rows.cuh"
+#include "launch_args.cuh"
+#include "probe.cuh"
 
 namespace hisparse_plugin {
 
@@ -102,7 +111,7 @@ struct SwapInParams {
   const int32_t* req_to_token;  // [R, r2t_stride] logical slot of each position
   const int64_t* token_to_row;  // logical slot -> device row
   unsigned long long* tally;  // += {valid entries, misses} of real rows; nullptr: not counted
-  unsigned long long* probe;  // phase timestamps (see Probe); nullptr: not recorded
+  unsigned long long* probe;  // phase timestamps (probe.cuh); read only by kProbe variants
   int64_t r2t_stride;
   int64_t top_k_stride;
   int64_t out_stride;
@@ -116,35 +125,6 @@ struct SwapInParams {
   int64_t miss_src_stride;
   int64_t miss_dst_stride;
 };
-
-// Timing probe (a benchmark aid, like skip-IO): block (0, 0)'s thread 0
-// stamps %globaltimer at each phase boundary, and every block folds its
-// entry and exit time into a grid-wide min / max. Slots, in ns:
-struct Probe {
-  enum : int {
-    kEntry = 0,      // block (0, 0) starts
-    kHashReady = 1,  // top-k entries read, hash table cleared
-    kHashed = 2,     // candidates inserted
-    kOwners = 3,     // slot -> owning entry resolved
-    kClaimed = 4,    // hits claimed, evictable counts known
-    kMissKnown = 5,  // misses known, first host read issued
-    kRanked = 6,     // scans done
-    kPlaced = 7,     // LRU regrouped, misses numbered
-    kPublished = 8,  // thread 0's outputs written
-    kCopied = 9,     // this block's copies issued and joined
-    kExit = 10,      // state committed (or not the last block)
-    kEarlyExit = 11, // padding / resident / short-sequence path
-    kGridEntry = 14, // min over blocks (initialise to UINT64_MAX)
-    kGridExit = 15,  // max over blocks (initialise to 0)
-    kSlots = 16,
-  };
-};
-
-SGL_DEVICE unsigned long long global_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
 
 // kHashScale: hash buckets per top-k entry, rounded up to a power of two. The
 // table's load factor sets the probe lengths of both the inserts and the slot
@@ -189,6 +169,7 @@ template <
     bool kSkipIO,
     int kThreads,
     int kHashScale,
+    bool kProbe,
     typename SeqT,
     typename ReqT>
 __global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_constant__ SwapInParams p) {
@@ -203,23 +184,10 @@ __global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_const
   static_assert(kTopKPerThread <= 32 && kBufPerThread <= 32, "per-thread flags are kept in 32-bit masks");
 
   const int tid = threadIdx.x;
-  const bool probing = p.probe != nullptr && tid == 0;  // one stamping thread per block
-  const bool probe_block = probing && blockIdx.x == 0 && blockIdx.y == 0;
-  auto mark = [&](int slot) {
-    if (probe_block) p.probe[slot] = global_ns();
-  };
-  auto grid_mark = [&](bool entry) {
-    if (probing) {
-      const unsigned long long now = global_ns();
-      if (entry) {
-        atomicMin(p.probe + Probe::kGridEntry, now);
-      } else {
-        atomicMax(p.probe + Probe::kGridExit, now);
-      }
-    }
-  };
-  mark(Probe::kEntry);
-  grid_mark(true);
+  // Benchmark-only phase stamps; empty calls unless kProbe (probe.cuh).
+  const PhaseProbe<kProbe> probe(p.probe, tid);
+  probe.mark(Probe::kEntry);
+  probe.grid_entry();
   const int lane = tid % kWarp;
   const int warp = tid / kWarp;
   const uint32_t lanes_below = (1u << lane) - 1u;
@@ -253,8 +221,8 @@ __global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_const
     if constexpr (kRecordPlan) {
       if (part == 0 && tid == 0) p.miss_count[row] = 0;
     }
-    mark(Probe::kEarlyExit);
-    grid_mark(false);
+    probe.mark(Probe::kEarlyExit);
+    probe.grid_exit();
     return;
   }
 
@@ -282,8 +250,8 @@ __global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_const
     if constexpr (kRecordPlan) {
       if (part == 0 && tid == 0) p.miss_count[row] = 0;
     }
-    mark(Probe::kEarlyExit);
-    grid_mark(false);
+    probe.mark(Probe::kEarlyExit);
+    probe.grid_exit();
     return;
   }
 
@@ -296,8 +264,8 @@ __global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_const
     if constexpr (kRecordPlan) {
       if (part == 0 && tid == 0) p.miss_count[row] = 0;
     }
-    mark(Probe::kEarlyExit);
-    grid_mark(false);
+    probe.mark(Probe::kEarlyExit);
+    probe.grid_exit();
     return;
   }
 
@@ -354,7 +322,7 @@ __global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_const
   }
   for (int j = tid; j < kTopK; j += kThreads) s_resolved[j] = 0;
   __syncthreads();
-  mark(Probe::kHashReady);
+  probe.mark(Probe::kHashReady);
 
   // Hash every candidate; the value converges to the first top-k index that
   // names the position, which is the occurrence that owns it.
@@ -374,7 +342,7 @@ __global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_const
     }
   }
   __syncthreads();
-  mark(Probe::kHashed);
+  probe.mark(Probe::kHashed);
 
   // ---- Phase B1: which slots hold a selected position (by slot) ...
   int32_t owner[kTopKPerThread];  // owning top-k index of each candidate
@@ -400,7 +368,7 @@ __global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_const
     s_slot_owner[s] = static_cast<int16_t>(found);
   }
   __syncthreads();
-  mark(Probe::kOwners);
+  probe.mark(Probe::kOwners);
 
   // ... and, walking the LRU order, hits claim their top-k entry.
   uint32_t hit_bits = 0;
@@ -419,7 +387,7 @@ __global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_const
     if (lane == 0 && chunk < Smem::kBufChunks) s_buf_cnt[chunk] = __popc(evict_mask);
   }
   __syncthreads();
-  mark(Probe::kClaimed);
+  probe.mark(Probe::kClaimed);
 
   // ---- Phase B2: owning candidates that no slot claimed are misses. Which
   // block copies a miss depends only on where its entry sits, so each warp
@@ -462,7 +430,7 @@ __global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_const
     if (first_k >= 0) IO::load(staged, p.host_kv, p.host_kv_stride, first_src, lane);
   }
   __syncthreads();
-  mark(Probe::kMissKnown);
+  probe.mark(Probe::kMissKnown);
 
   // ---- Phase B3: rank non-hit slots (LRU order) and misses (top-k order).
   if (warp == 0) {
@@ -473,7 +441,7 @@ __global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_const
     if (lane == 0) s_misses = total;
   }
   __syncthreads();
-  mark(Probe::kRanked);
+  probe.mark(Probe::kRanked);
 
   const int32_t evictable = s_evictable;
   // More misses than free slots only happens if the slot table holds a
@@ -502,7 +470,7 @@ __global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_const
     }
   }
   __syncthreads();
-  mark(Probe::kPlaced);
+  probe.mark(Probe::kPlaced);
 
   // This block has consumed everything it reads from the slot table and LRU.
   if (tid == 0) {
@@ -557,7 +525,7 @@ __global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_const
   if (p.tally != nullptr && part == 0 && tid == 0 && misses > 0) {
     atomicAdd(p.tally + 1, static_cast<unsigned long long>(misses));
   }
-  mark(Probe::kPublished);
+  probe.mark(Probe::kPublished);
 
   if (first_k >= 0 && first_dst >= 0) {
     if constexpr (!kSkipIO) IO::store(staged, p.device_kv, p.device_kv_stride, first_dst, lane);
@@ -581,7 +549,7 @@ __global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_const
 
   // ---- Phase D: the last block to arrive rewrites the slot table and LRU.
   __syncthreads();
-  mark(Probe::kCopied);
+  probe.mark(Probe::kCopied);
   if (s_is_last) {
     int32_t* slot_tokens_out = p.slot_tokens + req * p.slot_tokens_stride;
     int16_t* lru_out = p.lru + req * p.lru_stride;
@@ -592,8 +560,8 @@ __global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_const
     }
     for (int i = tid; i < misses; i += kThreads) slot_tokens_out[s_order[i]] = s_miss_tok[i];
   }
-  mark(Probe::kExit);
-  grid_mark(false);
+  probe.mark(Probe::kExit);
+  probe.grid_exit();
 }
 
 template <
@@ -604,14 +572,15 @@ template <
     bool kRecordPlan,
     bool kSkipIO,
     int kThreads,
-    int kHashScale>
+    int kHashScale,
+    bool kProbe>
 struct SwapIn {
   static constexpr size_t kSmemBytes = SwapInSmem<kTopK, kHot, kHashScale>::kBytes;
 
   template <typename SeqT, typename ReqT>
   static void launch(const SwapInParams& params, int64_t bs, int64_t split, DLDevice device) {
     auto kernel =
-        swap_in_kernel<kTopK, kHot, kItemBytes, kLayout, kRecordPlan, kSkipIO, kThreads, kHashScale, SeqT, ReqT>;
+        swap_in_kernel<kTopK, kHot, kItemBytes, kLayout, kRecordPlan, kSkipIO, kThreads, kHashScale, kProbe, SeqT, ReqT>;
     // Opting in to >48 KiB of dynamic shared memory is per device and per kernel.
     static std::atomic<uint64_t> opted_in{0};
     const uint64_t bit = uint64_t(1) << (device.device_id & 63);
@@ -653,35 +622,18 @@ struct SwapIn {
     auto RS0 = SymbolicSize{"slot_tokens.stride(0)"};
     auto LS0 = SymbolicSize{"slot_locs.stride(0)"};
     auto US0 = SymbolicSize{"lru.stride(0)"};
-    auto KS0 = SymbolicSize{"top_k_tokens.stride(0)"};
-    auto OS0 = SymbolicSize{"top_k_device_locs.stride(0)"};
     auto HS0 = SymbolicSize{"host_locs.stride(0)"};
     auto CTX = SymbolicSize{"max_ctx"};
-    auto HR = SymbolicSize{"host_rows"};
-    auto DR = SymbolicSize{"device_rows"};
-    auto RB = SymbolicSize{"row_bytes"};
-    auto HKS = SymbolicSize{"host_kv.stride(0)"};
-    auto DKS = SymbolicSize{"device_kv.stride(0)"};
     auto cuda = SymbolicDevice{};
     cuda.set_options<kDLCUDA>();
-    auto index_dtype = SymbolicDType{};
-    auto req_dtype = SymbolicDType{};
 
-    TensorMatcher({BS, kTopK}).with_strides({KS0, 1}).with_dtype<int32_t>().with_device(cuda).verify(top_k_tokens);
-    TensorMatcher({BS, kTopK})
-        .with_strides({OS0, 1})
-        .with_dtype<int32_t>()
-        .with_device(cuda)
-        .verify(top_k_device_locs);
-    TensorMatcher({BS}).with_dtype<int32_t, int64_t>(req_dtype).with_device(cuda).verify(req_pool_indices);
-    TensorMatcher({BS}).with_dtype<int32_t, int64_t>(index_dtype).with_device(cuda).verify(seq_lens);
-    TensorMatcher({1}).with_dtype<int32_t>().with_device(cuda).verify(num_real_reqs);
+    const Selection sel = Selection::verify(
+        top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, num_real_reqs, BS, kTopK, cuda);
     TensorMatcher({R, W}).with_strides({RS0, 1}).with_dtype<int32_t>().with_device(cuda).verify(slot_tokens);
     TensorMatcher({R, W}).with_strides({LS0, 1}).with_dtype<int32_t>().with_device(cuda).verify(slot_locs);
     TensorMatcher({R, kHot}).with_strides({US0, 1}).with_dtype<int16_t>().with_device(cuda).verify(lru);
     TensorMatcher({-1, CTX}).with_strides({HS0, 1}).with_dtype<int64_t>().with_device(cuda).verify(host_locs);
-    TensorMatcher({HR, RB}).with_strides({HKS, 1}).with_dtype<uint8_t>().verify(host_kv);
-    TensorMatcher({DR, RB}).with_strides({DKS, 1}).with_dtype<uint8_t>().with_device(cuda).verify(device_kv);
+    const KvPools pools = KvPools::verify(host_kv, device_kv, cuda);
     TensorMatcher({-1}).with_dtype<uint32_t, int32_t>().with_device(cuda).verify(arrivals);
     RuntimeCheck(W.unwrap() > kHot, "slot table width must exceed hot_buffer_size (slot HOT holds the newest token)");
     RuntimeCheck(split >= 1 && split <= 65535, "split must be in [1, 65535], got ", split);
@@ -718,37 +670,37 @@ struct SwapIn {
       TensorMatcher({2}).with_dtype<int64_t>().with_device(cuda).verify(tally);
       params.tally = static_cast<unsigned long long*>(tally.data_ptr());
     }
-    if (probe.size(0) > 0) {
+    if constexpr (kProbe) {
       TensorMatcher({Probe::kSlots}).with_dtype<int64_t>().with_device(cuda).verify(probe);
       params.probe = static_cast<unsigned long long*>(probe.data_ptr());
     }
     if (bs == 0) return;
 
-    params.top_k_tokens = static_cast<const int32_t*>(top_k_tokens.data_ptr());
-    params.out_locs = static_cast<int32_t*>(top_k_device_locs.data_ptr());
-    params.req_pool_indices = req_pool_indices.data_ptr();
-    params.seq_lens = seq_lens.data_ptr();
-    params.num_real_reqs = static_cast<const int32_t*>(num_real_reqs.data_ptr());
+    params.top_k_tokens = sel.top_k_tokens;
+    params.out_locs = sel.out;
+    params.req_pool_indices = sel.req_pool_indices;
+    params.seq_lens = sel.seq_lens;
+    params.num_real_reqs = sel.num_real_reqs;
     params.slot_tokens = static_cast<int32_t*>(slot_tokens.data_ptr());
     params.slot_locs = static_cast<const int32_t*>(slot_locs.data_ptr());
     params.lru = static_cast<int16_t*>(lru.data_ptr());
     params.host_locs = static_cast<const int64_t*>(host_locs.data_ptr());
-    params.host_kv = device_view_of_host(host_kv.data_ptr(), host_kv.device());
-    params.device_kv = static_cast<char*>(device_kv.data_ptr());
+    params.host_kv = pools.host;
+    params.device_kv = pools.device;
     params.arrivals = static_cast<uint32_t*>(arrivals.data_ptr());
-    params.top_k_stride = KS0.unwrap();
-    params.out_stride = OS0.unwrap();
+    params.top_k_stride = sel.top_k_stride;
+    params.out_stride = sel.out_stride;
     params.slot_tokens_stride = RS0.unwrap();
     params.slot_locs_stride = LS0.unwrap();
     params.lru_stride = US0.unwrap();
     params.host_locs_stride = HS0.unwrap();
     params.max_ctx = CTX.unwrap();
-    params.host_kv_stride = HKS.unwrap();
-    params.device_kv_stride = DKS.unwrap();
+    params.host_kv_stride = pools.host_stride;
+    params.device_kv_stride = pools.device_stride;
 
     const DLDevice device = cuda.unwrap();
-    const bool seq64 = index_dtype.is_type<int64_t>();
-    const bool req64 = req_dtype.is_type<int64_t>();
+    const bool seq64 = sel.seq64;
+    const bool req64 = sel.req64;
     if (seq64 && req64) {
       launch<int64_t, int64_t>(params, bs, split, device);
     } else if (seq64) {

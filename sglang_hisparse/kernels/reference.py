@@ -60,22 +60,16 @@ from typing import Optional
 
 import torch
 
-# Layout name -> the id the CUDA templates take.
-LAYOUTS = {"rows": 0, "dsv4_c4": 1, "c4": 1}
-
-C4_TOKENS_PER_PAGE = 64
-C4_VALUE_BYTES = 576
-C4_SCALE_BYTES = 8
-C4_ITEM_BYTES = C4_VALUE_BYTES + C4_SCALE_BYTES
-C4_SCALE_OFFSET = C4_VALUE_BYTES * C4_TOKENS_PER_PAGE
-C4_PAGE_BYTES = -(-C4_ITEM_BYTES * C4_TOKENS_PER_PAGE // C4_VALUE_BYTES) * C4_VALUE_BYTES
-
-
-def layout_id(layout: str) -> int:
-    try:
-        return LAYOUTS[layout]
-    except KeyError:
-        raise ValueError(f"layout must be one of {sorted(LAYOUTS)}, got {layout!r}") from None
+from sglang_hisparse.kernels.limits import (  # noqa: F401  (re-exported: the layout contract)
+    C4_ITEM_BYTES,
+    C4_PAGE_BYTES,
+    C4_SCALE_BYTES,
+    C4_SCALE_OFFSET,
+    C4_TOKENS_PER_PAGE,
+    C4_VALUE_BYTES,
+    LAYOUTS,
+    layout_id,
+)
 
 
 def _row_byte_index(rows: torch.Tensor, layout: str, row_bytes: int):
@@ -124,7 +118,7 @@ def copy_rows(
     write_rows(device_kv, dst_rows, read_rows(host_kv, src_rows, layout), layout)
 
 
-def _real_rows(num_real_reqs, bs: int) -> int:
+def real_rows(num_real_reqs, bs: int) -> int:
     n = int(num_real_reqs.reshape(-1)[0]) if isinstance(num_real_reqs, torch.Tensor) else int(num_real_reqs)
     return max(0, min(n, bs))
 
@@ -154,7 +148,6 @@ def swap_in(
     req_to_token: Optional[torch.Tensor] = None,
     token_to_row: Optional[torch.Tensor] = None,
     tally: Optional[torch.Tensor] = None,
-    probe: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Reference swap-in; see the module docstring for the rules.
 
@@ -182,7 +175,7 @@ def swap_in(
         out = torch.empty((bs, top_k), dtype=torch.int32, device=top_k_tokens.device)
     hot = lru.size(1)
     max_ctx = host_locs.size(1)
-    real = _real_rows(num_real_reqs, bs)
+    real = real_rows(num_real_reqs, bs)
     out[real:] = -1
     if record:
         miss_count[real:bs] = 0
@@ -272,10 +265,6 @@ def swap_in(
     return out
 
 
-# The data plane's name for the entry point; on CPU tensors it is this reference.
-swap_in_selected = swap_in
-
-
 def copy_planned(
     miss_src: torch.Tensor,
     miss_dst: torch.Tensor,
@@ -290,7 +279,7 @@ def copy_planned(
     """Reference plan replay: for real row b and m < miss_count[b] (clamped
     to the plan width), device_kv[miss_dst[b, m]] = host_kv[miss_src[b, m]]."""
     del num_blocks
-    real = _real_rows(num_real_reqs, miss_src.size(0))
+    real = real_rows(num_real_reqs, miss_src.size(0))
     width = miss_src.size(1)
     counts = miss_count[:real].tolist()
     for b, n in enumerate(counts):

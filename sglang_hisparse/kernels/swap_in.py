@@ -1,510 +1,319 @@
-"""CUDA swap-in kernels (``jit_csrc/swap_in.cuh``, ``jit_csrc/copy_planned.cuh``).
+"""The serving swap-in (``jit_csrc/swap_in.cuh``): validate, pick the variant, launch.
 
-Thin wrappers: they check shapes, dtypes and devices (a ValueError names the
-offending argument), pick the template variant, build it once through
-SGLang's JIT loader and launch it. Semantics are those of
-:mod:`sglang_hisparse.kernels.reference`; the tests hold the two equal.
+Semantics are those of :func:`sglang_hisparse.kernels.reference.swap_in`;
+the tests hold the two equal. :func:`swap_in_selected` is the data plane's
+one entry: this kernel when ``top_k_tokens`` is on a GPU, else the torch
+reference.
 
-Nothing here imports SGLang at module import time: the loader is imported
-the first time a kernel is built.
+Without CUDA graphs the coordinator launches once per sparse layer (61 times
+a decode step on DeepSeek-V3.2), so a launch checks its arguments in full
+only the first time it sees a combination of tensor geometries (shape,
+stride, dtype, device; the KV pools also by address, and the host pool by
+its storage, whose pinning was checked); later launches with the same
+geometries reuse that verdict.
+
+Arrival counters (the last block of a request commits its slot table and
+LRU) are per (device, stream): two swap-ins on different streams, e.g. a
+draft model's or a prefetch's, never share them.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import math
-import shutil
-from pathlib import Path
-from typing import Iterable, Optional
+import weakref
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from sglang_hisparse.kernels.reference import (
-    C4_ITEM_BYTES,
-    C4_PAGE_BYTES,
-    LAYOUTS,
-    layout_id as _layout_id,
+from sglang_hisparse.kernels import _jit, reference
+from sglang_hisparse.kernels._validate import (
+    check_kv,
+    check_selection,
+    check_tensor,
+    fail,
+    given_together,
+)
+from sglang_hisparse.kernels.limits import (  # noqa: F401  (MIN/MAX_BLOCK_SIZE: read by tests)
+    DEFAULT_BLOCK_SIZE,
+    HASH_SCALES,
+    MAX_BLOCK_SIZE,
+    MIN_BLOCK_SIZE,
+    default_hash_scale,
+    hash_scale_problem,
+    item_bytes_problem,
+    layout_id,
+    size_problem,
 )
 
-_C4 = LAYOUTS["dsv4_c4"]
-
-CSRC_DIR = Path(__file__).resolve().parent.parent / "jit_csrc"
-SWAP_IN_SOURCE = CSRC_DIR / "swap_in.cuh"
-COPY_PLANNED_SOURCE = CSRC_DIR / "copy_planned.cuh"
-
-# The kernel keeps one bit per buffer position a thread owns, in 32-bit masks.
-MAX_POSITIONS_PER_THREAD = 32
-# LRU slots are int16.
-MAX_HOT_BUFFER_SIZE = 32767
-# Whole warps, at least two (two warps run the block's two scans at once).
-MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 64, 1024
-# Copy-planned launcher limit (offsets of all rows live in shared memory).
-_MAX_PLANNED_ROWS = 12000
-_ARRIVALS_MIN_ROWS = 4096
+SWAP_IN_SOURCE = _jit.CSRC_DIR / "swap_in.cuh"
 
 
-# --------------------------------------------------------------------------
-# variant selection
+class SwapInVariant(NamedTuple):
+    """One compiled swap-in: SwapIn's template arguments, in their order."""
+
+    top_k: int
+    hot_buffer_size: int
+    item_bytes: int
+    layout_id: int
+    record_plan: bool = False  # write the miss plan (copy_planned replays it)
+    skip_io: bool = False  # resolve and update state, move no bytes (a timing probe)
+    block_size: int = DEFAULT_BLOCK_SIZE
+    hash_scale: int = HASH_SCALES[0]  # the widest; default_hash_scale picks per size
+    probe: bool = False  # phase stamps (kernels.bench)
+
+    def name(self, layout: str) -> str:
+        return _jit.variant_name(
+            "swap_in", top_k=self.top_k, hot_buffer_size=self.hot_buffer_size,
+            item_bytes=self.item_bytes, layout=layout, record_plan=self.record_plan,
+            skip_io=self.skip_io, block_size=self.block_size, hash_scale=self.hash_scale,
+            probe=self.probe,
+        )
 
 
-def default_block_size(hot_buffer_size: int) -> int:
-    """Threads per swap-in block. The resolve is a chain of short per-thread
-    loops between barriers, so its latency falls with every thread added:
-    on an H200 (top_k 2048, hot buffer 4096) 1024 threads cut a 0%-miss
-    call from 17.7 to 12.8 us and a batch-64 one from 25.6 to 19.3 us.
-    (A full block also caps registers at 64 a thread; the kernel fits.)"""
-    return 1024
-
-
-# Mirrors SwapInSmem in swap_in.cuh; a block may use at most 227 KiB.
-MAX_SMEM_BYTES = 227 * 1024
-
-
-# Hash buckets per top-k entry (template kHashScale), widest first: the
-# default is the first whose table fits a block's shared memory.
-HASH_SCALES = (8, 4, 2)
-MIN_HASH_SCALE = HASH_SCALES[-1]
-
-
-def swap_in_smem_bytes(top_k: int, hot_buffer_size: int, hash_scale: int = MIN_HASH_SCALE) -> int:
-    hash_size = 1 << max(1, (hash_scale * top_k - 1).bit_length())
-    chunks = lambda n: -(-n // 32)  # noqa: E731
-    return (
-        8 * hash_size  # keys + values
-        + 4 * top_k * 2  # resolution + miss tokens
-        + 4 * (chunks(hot_buffer_size) + chunks(top_k) + 4)
-        + 2 * hot_buffer_size  # slot owners, later the regrouped LRU
+def swap_in_module(variant: SwapInVariant):
+    return _jit.load_module(
+        "hisparse_plugin_swap_in", SWAP_IN_SOURCE.name, "swap_in", "hisparse_plugin::SwapIn",
+        tuple(variant),
     )
 
 
-@functools.cache  # read on every eager launch
-def default_hash_scale(top_k: int, hot_buffer_size: int) -> int:
-    """Buckets per top-k entry for the resolve's hash table: the widest of
-    HASH_SCALES that fits shared memory. Fewer buckets mean longer probes;
-    on an H200 (top_k 2048, buffer 4096) a 0%-miss call took 12.3 / 9.1 /
-    8.7 us at batch 1 and 16.1 / 10.6 / 9.8 us at batch 64 with 2 / 4 / 8."""
-    for scale in HASH_SCALES:
-        if swap_in_smem_bytes(top_k, hot_buffer_size, scale) <= MAX_SMEM_BYTES:
-            return scale
-    return MIN_HASH_SCALE
+def check_sizes(top_k: int, hot_buffer_size: int, item_bytes: int, layout: str,
+                block_size: Optional[int] = None) -> int:
+    """Raises on sizes the kernel cannot run; returns the layout id."""
+    lid = layout_id(layout)
+    problem = size_problem(top_k, hot_buffer_size, block_size) or item_bytes_problem(item_bytes, layout)
+    if problem:
+        raise ValueError(problem)
+    return lid
 
 
-def size_problem(
-    top_k: int,
-    hot_buffer_size: int,
-    block_size: Optional[int] = None,
-    *,
-    hot_name: str = "hot_buffer_size",
-    block_name: str = "block_size",
-) -> Optional[str]:
-    """Why the swap-in kernel cannot run these sizes, or None if it can.
-
-    The one statement of the kernel's size limits, shared by the launch
-    wrappers and by ``--hisparse-config`` validation, which passes its own
-    names for the sizes (``device_buffer_size``, ``swap_in_block_size``) so
-    the message names what the user wrote. ``block_size`` None: the default.
-    """
-    hot = hot_buffer_size
-    if top_k < 1:
-        return f"top_k must be >= 1, got {top_k}"
-    if not top_k <= hot <= MAX_HOT_BUFFER_SIZE:
-        return (f"{hot_name} must be in [top_k, {MAX_HOT_BUFFER_SIZE}] (lru is int16), "
-                f"got {hot} with top_k {top_k}")
-    smem = swap_in_smem_bytes(top_k, hot)
-    if smem > MAX_SMEM_BYTES:
-        fits = [b for b in range(top_k, MAX_HOT_BUFFER_SIZE + 1, 64)
-                if swap_in_smem_bytes(top_k, b) <= MAX_SMEM_BYTES]
-        hint = (f"{hot_name} must be <= {fits[-1]} with top_k {top_k}" if fits
-                else f"top_k {top_k} is too large for the swap-in kernel")
-        return (f"top_k {top_k} with {hot_name} {hot} needs {smem} B of shared memory "
-                f"per block; the limit is {MAX_SMEM_BYTES}; {hint}")
-    block = default_block_size(hot) if block_size is None else block_size
-    if block % 32 or not MIN_BLOCK_SIZE <= block <= MAX_BLOCK_SIZE:
-        return (f"{block_name} must be a multiple of 32 in [{MIN_BLOCK_SIZE}, "
-                f"{MAX_BLOCK_SIZE}], got {block}")
-    for name, size in ((hot_name, hot), ("top_k", top_k)):
-        if math.ceil(size / block) > MAX_POSITIONS_PER_THREAD:
-            least = 32 * math.ceil(math.ceil(size / MAX_POSITIONS_PER_THREAD) / 32)
-            return (f"{block_name} {block} is too small for {name} {size}: at most "
-                    f"{MAX_POSITIONS_PER_THREAD} slots per thread, so {block_name} "
-                    f"must be >= {least}")
-    return None
-
-
-def _check_hash_scale(top_k: int, hot_buffer_size: int, hash_scale: Optional[int]) -> int:
+def resolve_hash_scale(top_k: int, hot_buffer_size: int, hash_scale: Optional[int]) -> int:
     if hash_scale is None:
         return default_hash_scale(top_k, hot_buffer_size)
-    if hash_scale not in (1, 2, 4, 8, 16):
-        raise ValueError(f"hash_scale must be one of 1, 2, 4, 8, 16, got {hash_scale}")
-    smem = swap_in_smem_bytes(top_k, hot_buffer_size, hash_scale)
-    if smem > MAX_SMEM_BYTES:
-        raise ValueError(f"hash_scale {hash_scale} with top_k {top_k} and hot_buffer_size "
-                         f"{hot_buffer_size} needs {smem} B of shared memory; the limit is "
-                         f"{MAX_SMEM_BYTES}")
+    problem = hash_scale_problem(top_k, hot_buffer_size, hash_scale)
+    if problem:
+        raise ValueError(problem)
     return hash_scale
 
 
-def _check_sizes(top_k: int, hot_buffer_size: int, item_bytes: int, layout: str,
-                 block_size: Optional[int] = None) -> int:
-    layout_id = _layout_id(layout)
-    problem = size_problem(top_k, hot_buffer_size, block_size)
-    if problem:
-        raise ValueError(problem)
-    if layout_id == _C4:
-        if item_bytes != C4_ITEM_BYTES:
-            raise ValueError(
-                f"item_bytes must be {C4_ITEM_BYTES} (576 B value + 8 B scale) for "
-                f"layout 'dsv4_c4', got {item_bytes}"
-            )
-    elif item_bytes <= 0 or item_bytes % 4:
-        raise ValueError(f"item_bytes must be a positive multiple of 4, got {item_bytes}")
-    return layout_id
-
-
-# --------------------------------------------------------------------------
-# JIT modules
-
-
-def _cuda_home_candidates() -> list[Path]:
-    import glob
-
-    found = [Path("/usr/local/cuda")] + [Path(p) for p in sorted(glob.glob("/usr/local/cuda-*"), reverse=True)]
-    nvcc = shutil.which("nvcc")
-    if nvcc:
-        found.insert(0, Path(nvcc).resolve().parent.parent)
-    return found
-
-
-def _ensure_cuda_home() -> None:
-    """tvm-ffi derives the CUDA root from `which nvcc` when CUDA_HOME is unset,
-    which breaks when nvcc on PATH is a wrapper script (no lib64 next to it)."""
-    import os
-
-    if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"):
-        return
-    for home in _cuda_home_candidates():
-        if (home / "bin" / "nvcc").exists() and (home / "lib64").exists():
-            os.environ["CUDA_HOME"] = str(home)
-            return
-
-
-def _load_jit():
-    _ensure_cuda_home()
-    from sglang.jit_kernel.utils import load_jit, make_cpp_args
-
-    return load_jit, make_cpp_args
-
-
-@functools.cache
-def _swap_in_module(
-    top_k: int,
-    hot_buffer_size: int,
-    item_bytes: int,
-    layout_id: int,
-    record_plan: bool,
-    skip_io: bool,
-    block_size: int,
-    hash_scale: int,
-):
-    load_jit, make_cpp_args = _load_jit()
-    args = make_cpp_args(
-        top_k, hot_buffer_size, item_bytes, layout_id, record_plan, skip_io, block_size,
-        hash_scale,
-    )
-    return load_jit(
-        "hisparse_plugin_swap_in",
-        *args,
-        cuda_files=[str(SWAP_IN_SOURCE)],
-        cuda_wrappers=[("swap_in", f"hisparse_plugin::SwapIn<{args}>::run")],
-    )
-
-
-@functools.cache
-def _copy_planned_module(item_bytes: int, layout_id: int):
-    load_jit, make_cpp_args = _load_jit()
-    args = make_cpp_args(item_bytes, layout_id)
-    return load_jit(
-        "hisparse_plugin_copy_planned",
-        *args,
-        cuda_files=[str(COPY_PLANNED_SOURCE)],
-        cuda_wrappers=[("copy_planned", f"hisparse_plugin::CopyPlanned<{args}>::run")],
-    )
-
-
-def _variant_name(kind: str, **kw) -> str:
-    return kind + "(" + ", ".join(f"{k}={v}" for k, v in kw.items()) + ")"
-
-
-def nvcc_available() -> bool:
-    import os
-
-    if shutil.which("nvcc"):
-        return True
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    homes = [Path(home)] if home else _cuda_home_candidates()
-    return any((h / "bin" / "nvcc").exists() for h in homes)
-
-
-def _arch_context():
-    """Without a visible GPU, build for Hopper (sm_90a), the production target."""
-    if torch.cuda.is_available():
-        return contextlib.nullcontext()
-    from sglang.jit_kernel.utils import override_jit_cuda_arch
-
-    return override_jit_cuda_arch(9, 0, "a")
-
-
-def compile_variants(
-    top_k: int = 2048,
-    hot_buffer_size: Optional[int] = None,
-    item_bytes: int = 1152,
-    layout: str = "rows",
-    *,
-    record_plan: Iterable[bool] = (False, True),
-    skip_io: Iterable[bool] = (False,),
-    block_size: Optional[int] = None,
-    copy_planned: bool = True,
-    device_buffer_size: Optional[int] = None,
-    swap_in_block_size: Optional[int] = None,
-    hash_scale: Optional[int] = None,
-    **_ignored,
-) -> list[str]:
-    """Build (or find in the JIT cache) every kernel variant a config needs.
-
-    Works without a GPU as long as nvcc is installed (the target is then
-    sm_90a). ``device_buffer_size`` and ``swap_in_block_size`` are the
-    ``--hisparse-config`` spellings of ``hot_buffer_size`` and ``block_size``;
-    other config keys are ignored, so ``doctor --kernels`` can pass the whole
-    config through. The hot buffer defaults to 2 x top_k, like the config.
-    Returns a readable name per variant.
-    """
-    hot_buffer_size = hot_buffer_size or device_buffer_size or 2 * top_k
-    block_size = block_size or swap_in_block_size or default_block_size(hot_buffer_size)
-    layout_id = _check_sizes(top_k, hot_buffer_size, item_bytes, layout, block_size)
-    hash_scale = _check_hash_scale(top_k, hot_buffer_size, hash_scale)
-    built = []
-    with _arch_context():
-        for rec in dict.fromkeys(bool(x) for x in record_plan):
-            for skip in dict.fromkeys(bool(x) for x in skip_io):
-                _swap_in_module(
-                    top_k, hot_buffer_size, item_bytes, layout_id, rec, skip, block_size,
-                    hash_scale,
-                )
-                built.append(
-                    _variant_name(
-                        "swap_in",
-                        top_k=top_k,
-                        hot_buffer_size=hot_buffer_size,
-                        item_bytes=item_bytes,
-                        layout=layout,
-                        record_plan=rec,
-                        skip_io=skip,
-                        block_size=block_size,
-                        hash_scale=hash_scale,
-                    )
-                )
-        if copy_planned:
-            _copy_planned_module(item_bytes, layout_id)
-            built.append(_variant_name("copy_planned", item_bytes=item_bytes, layout=layout))
-    return built
-
-
-# --------------------------------------------------------------------------
-# timing probe (mirrors struct Probe in swap_in.cuh)
-
-PROBE_SLOTS = 16
-# Phase boundaries stamped by block (0, 0), in kernel order.
-PROBE_PHASES = (
-    "entry", "hash_ready", "hashed", "owners", "claimed", "miss_known",
-    "ranked", "placed", "published", "copied", "exit",
-)
-PROBE_EARLY_EXIT, PROBE_GRID_ENTRY, PROBE_GRID_EXIT = 11, 14, 15
-
-
-def new_probe(device) -> torch.Tensor:
-    """A probe buffer ready for one launch (grid min/max slots primed)."""
-    probe = torch.zeros(PROBE_SLOTS, dtype=torch.int64, device=device)
-    probe[PROBE_GRID_ENTRY] = -1  # reads as UINT64_MAX in the kernel's atomicMin
-    return probe
-
-
-def probe_phases_us(probe: torch.Tensor) -> dict:
-    """Durations (us) between consecutive phase stamps, plus the grid span."""
-    t = [int(x) & ((1 << 64) - 1) for x in probe.cpu().tolist()]
-    out = {}
-    prev = t[0]
-    for i, name in enumerate(PROBE_PHASES[1:], start=1):
-        if t[i]:
-            out[name] = (t[i] - prev) / 1000.0
-            prev = t[i]
-    if t[PROBE_EARLY_EXIT]:
-        out["early_exit"] = (t[PROBE_EARLY_EXIT] - t[0]) / 1000.0
-    out["block0_total"] = (max(t[i] for i in range(11) if t[i]) - t[0]) / 1000.0 \
-        if not t[PROBE_EARLY_EXIT] else out["early_exit"]
-    out["grid_span"] = (t[PROBE_GRID_EXIT] - t[PROBE_GRID_ENTRY]) / 1000.0
-    out["block0_start_lag"] = (t[0] - t[PROBE_GRID_ENTRY]) / 1000.0
-    return out
-
-
-# --------------------------------------------------------------------------
-# launch helpers
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _device_index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
-def default_blocks_per_req(
-    device: torch.device, batch: int, top_k: int, block_size: int
-) -> int:
+def default_blocks_per_req(device: torch.device, batch: int, top_k: int, block_size: int) -> int:
     """Blocks per request: spread a small batch's misses over about one block
     per SM (one wave, so no block waits for a slot), but never more blocks
     than a 100%-miss step can keep busy (one miss per warp)."""
-    sms = _sm_count(_device_index(device))
+    sms = _jit.sm_count(_jit.device_index(device))
     warps = block_size // 32
     split = sms // max(batch, 1)
     return max(1, min(split, -(-top_k // warps), 65535))
 
 
-# Arrival counters, one per batch row. They return to zero after every launch,
-# so one zeroed buffer per device serves all layers on that device's stream.
-# Buffers are never freed: a captured CUDA graph may still point at one.
-_ARRIVALS: dict[int, torch.Tensor] = {}
+# --------------------------------------------------------------------------
+# arrival counters, per (device, stream)
+
+# One counter per batch row. They return to zero after every launch, so one
+# zeroed buffer serves every layer launched on its stream; launches on other
+# streams may run at the same time and get their own. Buffers are never freed:
+# a captured CUDA graph may still point at one.
+ARRIVALS_MIN_ROWS = 4096
+_ARRIVALS: dict[tuple[int, int], torch.Tensor] = {}
 _ARRIVALS_KEEP: list[torch.Tensor] = []
 
 
-def arrivals_workspace(device: torch.device, rows: int) -> torch.Tensor:
-    """The shared per-device arrival counters (int32, zeroed, >= ``rows``).
-
-    Two swap-in launches that may run concurrently (different streams) must
-    not share counters: give one of them its own ``torch.zeros(rows, int32)``.
-    """
-    index = _device_index(device)
-    buf = _ARRIVALS.get(index)
-    if buf is None or buf.numel() < rows:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"swap_in: the arrival workspace for {rows} rows must exist before "
-                "CUDA graph capture; run one eager call with the largest batch first "
-                "or pass workspace="
-            )
-        buf = torch.zeros(
-            max(rows, _ARRIVALS_MIN_ROWS), dtype=torch.int32, device=f"cuda:{index}"
+def pick_workspace(table: dict, key, rows: int, *, capturing: bool,
+                   allocate: Callable[[int], torch.Tensor], keep: list) -> torch.Tensor:
+    """The buffer of ``table[key]`` if it has ``rows``, else a new one of at
+    least ARRIVALS_MIN_ROWS (kept in ``keep`` for good). Allocating while a
+    CUDA graph is being captured is refused: the zeroing would be captured
+    too and the buffer would come from the graph's private pool."""
+    buf = table.get(key)
+    if buf is not None and buf.numel() >= rows:
+        return buf
+    if capturing:
+        raise RuntimeError(
+            f"swap_in: no arrival workspace of {rows} rows for stream {key[1]:#x} on "
+            f"cuda:{key[0]} yet, and a CUDA graph is being captured; run one eager call "
+            "with the largest batch on that stream before capture (SGLang's warm-up runs "
+            "do), or pass workspace="
         )
-        _ARRIVALS[index] = buf
-        _ARRIVALS_KEEP.append(buf)
+    buf = allocate(max(rows, ARRIVALS_MIN_ROWS))
+    table[key] = buf
+    keep.append(buf)
     return buf
 
 
-def _fail(name: str, what: str) -> None:
-    raise ValueError(f"{name}: {what}")
+def _current_stream(index: int) -> int:
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
 
 
-def _check_tensor(
-    name: str,
-    t: torch.Tensor,
-    *,
-    dtypes: tuple[torch.dtype, ...],
-    ndim: int,
-    device: Optional[torch.device] = None,
-    inner_contiguous: bool = True,
-) -> None:
-    if not isinstance(t, torch.Tensor):
-        _fail(name, f"expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        _fail(name, f"dtype must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
-    if t.dim() != ndim:
-        _fail(name, f"expected {ndim} dims, got shape {tuple(t.shape)}")
-    if device is not None and t.device != device:
-        _fail(name, f"must be on {device}, got {t.device}")
-    if inner_contiguous and t.dim() and t.size(-1) > 1 and t.stride(-1) != 1:
-        _fail(name, f"last dim must be contiguous, got strides {t.stride()}")
-
-
-def _check_kv(
-    layout: str, host_kv: torch.Tensor, device_kv: torch.Tensor, device: torch.device
-) -> int:
-    """Validates both KV pools; returns the row bytes (template item size)."""
-    _check_tensor("host_kv", host_kv, dtypes=(torch.uint8,), ndim=2)
-    _check_tensor("device_kv", device_kv, dtypes=(torch.uint8,), ndim=2, device=device)
-    if host_kv.is_cuda:
-        if host_kv.device != device:
-            _fail("host_kv", f"must be pinned CPU memory or on {device}, got {host_kv.device}")
-    elif not torch.cuda.is_current_stream_capturing() and not host_kv.is_pinned():
-        # (the pointer query behind is_pinned is skipped while capturing)
-        _fail("host_kv", "CPU tensor must be pinned (page-locked) for device access")
-    if host_kv.size(1) != device_kv.size(1):
-        _fail(
-            "device_kv",
-            f"row bytes {device_kv.size(1)} differ from host_kv's {host_kv.size(1)}",
-        )
-    if _layout_id(layout) == _C4:
-        if host_kv.size(1) != C4_PAGE_BYTES:
-            _fail("host_kv", f"dsv4_c4 pools are [pages, {C4_PAGE_BYTES}] bytes, got {tuple(host_kv.shape)}")
-        item_bytes, vec = C4_ITEM_BYTES, 16
-    else:
-        item_bytes = host_kv.size(1)
-        if item_bytes <= 0 or item_bytes % 4:
-            _fail("host_kv", f"row bytes must be a positive multiple of 4, got {item_bytes}")
-        vec = 16 if item_bytes % 16 == 0 else 8 if item_bytes % 8 == 0 else 4
-    for name, t in (("host_kv", host_kv), ("device_kv", device_kv)):
-        if t.data_ptr() % vec or (t.size(0) > 1 and t.stride(0) % vec):
-            _fail(
-                name,
-                f"base address and row stride must be multiples of {vec} bytes "
-                f"(stride {t.stride(0)})",
-            )
-    return item_bytes
-
-
-def _given_together(**optional) -> bool:
-    """True if every optional argument is given, False if none is; else an error."""
-    given = [v is not None for v in optional.values()]
-    if any(given) and not all(given):
-        names = list(optional)
-        raise ValueError(f"{', '.join(names[:-1])} and {names[-1]} must be given together")
-    return all(given)
-
-
-def _check_plan(
-    miss_src, miss_dst, miss_count, bs: int, top_k: int, device: torch.device
-) -> bool:
-    if not _given_together(miss_src=miss_src, miss_dst=miss_dst, miss_count=miss_count):
-        return False
-    _check_tensor("miss_src", miss_src, dtypes=(torch.int64,), ndim=2, device=device)
-    _check_tensor("miss_dst", miss_dst, dtypes=(torch.int32,), ndim=2, device=device)
-    _check_tensor("miss_count", miss_count, dtypes=(torch.int32,), ndim=1, device=device)
-    if miss_src.shape != miss_dst.shape:
-        _fail("miss_dst", f"shape {tuple(miss_dst.shape)} differs from miss_src's {tuple(miss_src.shape)}")
-    if miss_src.size(0) < bs or miss_src.size(1) < top_k:
-        _fail("miss_src", f"needs shape >= [{bs}, {top_k}], got {tuple(miss_src.shape)}")
-    if miss_count.size(0) < bs:
-        _fail("miss_count", f"needs >= {bs} entries, got {miss_count.size(0)}")
-    return True
-
-
-def _check_residency(resident, req_to_token, token_to_row, max_reqs: int,
-                     device: torch.device) -> bool:
-    if not _given_together(resident=resident, req_to_token=req_to_token,
-                           token_to_row=token_to_row):
-        return False
-    _check_tensor("resident", resident, dtypes=(torch.int32,), ndim=1, device=device)
-    _check_tensor("req_to_token", req_to_token, dtypes=(torch.int32,), ndim=2, device=device)
-    _check_tensor("token_to_row", token_to_row, dtypes=(torch.int64,), ndim=1, device=device)
-    for name, t in (("resident", resident), ("req_to_token", req_to_token)):
-        if t.size(0) != max_reqs:
-            _fail(name, f"expected {max_reqs} rows (one per request slot), got {t.size(0)}")
-    return True
+def arrivals_workspace(device: torch.device, rows: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters (>= ``rows``) for launches on the
+    current stream of ``device``; allocated on that stream at first use."""
+    index = _jit.device_index(device)
+    key = (index, _current_stream(index))
+    buf = _ARRIVALS.get(key)
+    if buf is not None and buf.numel() >= rows:
+        return buf
+    return pick_workspace(
+        _ARRIVALS, key, rows, capturing=torch.cuda.is_current_stream_capturing(),
+        allocate=lambda n: torch.zeros(n, dtype=torch.int32, device=f"cuda:{index}"),
+        keep=_ARRIVALS_KEEP,
+    )
 
 
 # --------------------------------------------------------------------------
-# public API
+# validation, cached by geometry
+
+
+class _Verdict(NamedTuple):
+    module: object
+    split: int
+    record: bool
+    residency: bool
+    host_storage: Optional[weakref.ref]  # the checked (pinned) host pool; None: on the GPU
+    empty: torch.Tensor  # stands in for absent optional tensors
+    reusable: bool  # False if checked while capturing (the pinning query was skipped)
+
+
+_VERDICTS: dict = {}
+_MAX_VERDICTS = 1024
+# Arguments whose shape, strides, dtype and device the checks read; the KV
+# pools' addresses too (alignment). Options are keyed as given.
+_TENSORS = ("top_k_tokens", "req_pool_indices", "seq_lens", "num_real_reqs", "slot_tokens",
+            "slot_locs", "lru", "host_locs", "out", "miss_src", "miss_dst", "miss_count",
+            "workspace", "resident", "req_to_token", "token_to_row", "tally")
+_OPTIONS = ("layout", "skip_io", "blocks_per_req", "block_size")
+
+
+def _geom(t):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+def _key(a: dict, probe, hash_scale) -> tuple:
+    pools = tuple((t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
+                  for t in (a["host_kv"], a["device_kv"]))
+    return (tuple(_geom(a[n]) for n in _TENSORS), pools, tuple(a[n] for n in _OPTIONS),
+            _geom(probe), hash_scale)
+
+
+def _validate(a: dict, probe, hash_scale) -> _Verdict:
+    top_k_tokens, out, lru = a["top_k_tokens"], a["out"], a["lru"]
+    device, bs, top_k = check_selection(top_k_tokens, out, a["req_pool_indices"], a["seq_lens"],
+                                        a["num_real_reqs"])
+    check_tensor("lru", lru, dtypes=(torch.int16,), ndim=2, device=device)
+    hot, max_reqs = lru.size(1), lru.size(0)
+    slot_tokens, slot_locs = a["slot_tokens"], a["slot_locs"]
+    for name, t in (("slot_tokens", slot_tokens), ("slot_locs", slot_locs)):
+        check_tensor(name, t, dtypes=(torch.int32,), ndim=2, device=device)
+        if t.size(0) != max_reqs or t.size(1) <= hot:
+            fail(name, f"expected shape [{max_reqs}, > {hot}] (hot buffer + newest page), "
+                       f"got {tuple(t.shape)}")
+    if slot_tokens.size(1) != slot_locs.size(1):
+        fail("slot_locs", f"width {slot_locs.size(1)} differs from slot_tokens' {slot_tokens.size(1)}")
+    check_tensor("host_locs", a["host_locs"], dtypes=(torch.int64,), ndim=2, device=device)
+    host_kv = a["host_kv"]
+    item_bytes = check_kv(a["layout"], host_kv, a["device_kv"], device)
+    threads = DEFAULT_BLOCK_SIZE if a["block_size"] is None else a["block_size"]
+    lid = check_sizes(top_k, hot, item_bytes, a["layout"], threads)
+    scale = resolve_hash_scale(top_k, hot, hash_scale)
+
+    miss_src, miss_dst, miss_count = a["miss_src"], a["miss_dst"], a["miss_count"]
+    record = given_together(miss_src=miss_src, miss_dst=miss_dst, miss_count=miss_count)
+    if record:
+        check_tensor("miss_src", miss_src, dtypes=(torch.int64,), ndim=2, device=device)
+        check_tensor("miss_dst", miss_dst, dtypes=(torch.int32,), ndim=2, device=device)
+        check_tensor("miss_count", miss_count, dtypes=(torch.int32,), ndim=1, device=device)
+        if miss_src.shape != miss_dst.shape:
+            fail("miss_dst", f"shape {tuple(miss_dst.shape)} differs from miss_src's {tuple(miss_src.shape)}")
+        if miss_src.size(0) < bs or miss_src.size(1) < top_k:
+            fail("miss_src", f"needs shape >= [{bs}, {top_k}], got {tuple(miss_src.shape)}")
+        if miss_count.size(0) < bs:
+            fail("miss_count", f"needs >= {bs} entries, got {miss_count.size(0)}")
+
+    resident, req_to_token, token_to_row = a["resident"], a["req_to_token"], a["token_to_row"]
+    residency = given_together(resident=resident, req_to_token=req_to_token, token_to_row=token_to_row)
+    if residency:
+        check_tensor("resident", resident, dtypes=(torch.int32,), ndim=1, device=device)
+        check_tensor("req_to_token", req_to_token, dtypes=(torch.int32,), ndim=2, device=device)
+        check_tensor("token_to_row", token_to_row, dtypes=(torch.int64,), ndim=1, device=device)
+        for name, t in (("resident", resident), ("req_to_token", req_to_token)):
+            if t.size(0) != max_reqs:
+                fail(name, f"expected {max_reqs} rows (one per request slot), got {t.size(0)}")
+
+    tally = a["tally"]
+    if tally is not None:
+        check_tensor("tally", tally, dtypes=(torch.int64,), ndim=1, device=device)
+        if tally.numel() != 2:
+            fail("tally", f"expected 2 elements (valid entries, misses), got {tally.numel()}")
+    if a["blocks_per_req"] is None:
+        split = default_blocks_per_req(device, bs, top_k, threads)
+    else:
+        split = int(a["blocks_per_req"])
+        if not 1 <= split <= 65535:
+            raise ValueError(f"blocks_per_req must be in [1, 65535], got {split}")
+    workspace = a["workspace"]
+    if workspace is not None:
+        check_tensor("workspace", workspace, dtypes=(torch.int32,), ndim=1, device=device)
+        if workspace.size(0) < bs:
+            fail("workspace", f"needs >= {bs} entries, got {workspace.size(0)}")
+
+    variant = SwapInVariant(top_k, hot, item_bytes, lid, record, bool(a["skip_io"]), threads,
+                            scale, probe is not None)
+    capturing = torch.cuda.is_current_stream_capturing()
+    return _Verdict(
+        module=swap_in_module(variant) if bs else None,
+        split=split,
+        record=record,
+        residency=residency,
+        host_storage=None if host_kv.is_cuda else weakref.ref(host_kv.untyped_storage()),
+        empty=top_k_tokens.new_empty(0),
+        reusable=not capturing,
+    )
+
+
+def launch(a: dict, *, probe: Optional[torch.Tensor] = None, hash_scale: Optional[int] = None):
+    """Checks and launches one swap-in; ``a`` holds :func:`swap_in`'s
+    arguments by name, ``probe`` and ``hash_scale`` are the benchmark-only
+    template options (:mod:`sglang_hisparse.kernels.bench` documents and
+    checks them). Returns ``out``."""
+    top_k_tokens, out = a["top_k_tokens"], a["out"]
+    if out is None and isinstance(top_k_tokens, torch.Tensor) and top_k_tokens.dim() == 2:
+        # allocates: pass `out` under CUDA-graph capture
+        a["out"] = out = torch.empty(tuple(top_k_tokens.shape), dtype=torch.int32,
+                                     device=top_k_tokens.device)
+    try:
+        key = _key(a, probe, hash_scale)
+        verdict = _VERDICTS.get(key)
+        if verdict is not None and verdict.host_storage is not None \
+                and verdict.host_storage() is not a["host_kv"].untyped_storage():
+            verdict = None  # a new host pool at an old address: check its pinning again
+    except (AttributeError, TypeError):  # not tensors: the full check names the argument
+        key = verdict = None
+    if verdict is None:
+        verdict = _validate(a, probe, hash_scale)
+        if key is not None and verdict.reusable:
+            if len(_VERDICTS) >= _MAX_VERDICTS:
+                _VERDICTS.clear()
+            _VERDICTS[key] = verdict
+    bs = top_k_tokens.size(0)
+    if bs == 0:
+        return out
+
+    empty, split = verdict.empty, verdict.split
+    workspace = a["workspace"]
+    if workspace is None:
+        workspace = arrivals_workspace(top_k_tokens.device, bs) if split > 1 else empty
+    plan = (a["miss_src"], a["miss_dst"], a["miss_count"]) if verdict.record else (empty,) * 3
+    residency = (a["resident"], a["req_to_token"], a["token_to_row"]) if verdict.residency \
+        else (empty,) * 3
+    tally = a["tally"]
+    verdict.module.swap_in(
+        top_k_tokens, a["req_pool_indices"], a["seq_lens"], a["num_real_reqs"], a["slot_tokens"],
+        a["slot_locs"], a["lru"], a["host_locs"], a["host_kv"], a["device_kv"], out,
+        *plan, workspace, *residency,
+        tally if tally is not None else empty,
+        probe if probe is not None else empty,
+        split,
+    )
+    return out
 
 
 def swap_in(
@@ -532,158 +341,24 @@ def swap_in(
     req_to_token: Optional[torch.Tensor] = None,
     token_to_row: Optional[torch.Tensor] = None,
     tally: Optional[torch.Tensor] = None,
-    probe: Optional[torch.Tensor] = None,
-    hash_scale: Optional[int] = None,
 ) -> torch.Tensor:
     """Resolve one layer's top-k against the hot buffers; load misses; fill ``out``.
 
     See :func:`sglang_hisparse.kernels.reference.swap_in` for the argument
     contract and semantics. CUDA-graph safe: no host sync and no allocation
-    (after the first call on a device), and the grid depends only on the
+    (after the first call on a stream), and the grid depends only on the
     batch size. ``blocks_per_req``/``block_size`` tune the launch and
-    ``workspace`` replaces the shared arrival counters (int32, zeroed,
+    ``workspace`` replaces the stream's arrival counters (int32, zeroed,
     >= batch entries). ``skip_io`` resolves and updates state but moves no
-    KV bytes (a timing probe). ``resident``/``req_to_token``/``token_to_row``
-    (together) translate resident requests' positions instead (reference
-    rule 8). ``tally`` (int64 [2]) accumulates valid entries and misses
-    (rule 10) with one atomic add each per request, in place of counting
-    ops after every launch. ``hash_scale`` overrides the resolve's hash
-    buckets per top-k entry (a tuning knob; default
-    :func:`default_hash_scale`). ``probe`` (int64 [PROBE_SLOTS], a benchmark
-    aid) receives %globaltimer stamps of the kernel's phases; see
-    :data:`PROBE_PHASES`.
-    Returns ``out``.
+    KV bytes (a timing probe; its own variant). The miss plan
+    (``miss_src``/``miss_dst``/``miss_count``, together; its own variant)
+    records what moved, for :func:`copy_planned.copy_planned` to replay.
+    ``resident``/``req_to_token``/``token_to_row`` (together) translate
+    resident requests' positions instead (reference rule 8). ``tally``
+    (int64 [2]) accumulates valid entries and misses (rule 10) with one
+    atomic add each per request. Returns ``out``.
     """
-    _check_tensor("top_k_tokens", top_k_tokens, dtypes=(torch.int32,), ndim=2)
-    if not top_k_tokens.is_cuda:
-        _fail("top_k_tokens", f"must be a CUDA tensor, got {top_k_tokens.device}")
-    device = top_k_tokens.device
-    bs, top_k = top_k_tokens.shape
-    if out is None:  # allocates: pass `out` under CUDA-graph capture
-        out = torch.empty((bs, top_k), dtype=torch.int32, device=device)
-    _check_tensor("out", out, dtypes=(torch.int32,), ndim=2, device=device)
-    if tuple(out.shape) != (bs, top_k):
-        _fail("out", f"expected shape {(bs, top_k)}, got {tuple(out.shape)}")
-    for name, t in (("req_pool_indices", req_pool_indices), ("seq_lens", seq_lens)):
-        _check_tensor(name, t, dtypes=(torch.int32, torch.int64), ndim=1, device=device)
-        if t.size(0) != bs:
-            _fail(name, f"expected {bs} entries (batch of top_k_tokens), got {t.size(0)}")
-    _check_tensor("num_real_reqs", num_real_reqs, dtypes=(torch.int32,), ndim=1, device=device)
-    if num_real_reqs.numel() != 1:
-        _fail("num_real_reqs", f"expected 1 element, got {num_real_reqs.numel()}")
-    _check_tensor("lru", lru, dtypes=(torch.int16,), ndim=2, device=device)
-    hot = lru.size(1)
-    max_reqs = lru.size(0)
-    for name, t in (("slot_tokens", slot_tokens), ("slot_locs", slot_locs)):
-        _check_tensor(name, t, dtypes=(torch.int32,), ndim=2, device=device)
-        if t.size(0) != max_reqs or t.size(1) <= hot:
-            _fail(
-                name,
-                f"expected shape [{max_reqs}, > {hot}] (hot buffer + newest page), "
-                f"got {tuple(t.shape)}",
-            )
-    if slot_tokens.size(1) != slot_locs.size(1):
-        _fail("slot_locs", f"width {slot_locs.size(1)} differs from slot_tokens' {slot_tokens.size(1)}")
-    _check_tensor("host_locs", host_locs, dtypes=(torch.int64,), ndim=2, device=device)
-    layout_id = _layout_id(layout)
-    item_bytes = _check_kv(layout, host_kv, device_kv, device)
-    threads = block_size if block_size is not None else default_block_size(hot)
-    _check_sizes(top_k, hot, item_bytes, layout, threads)
-    scale = _check_hash_scale(top_k, hot, hash_scale)
-    record = _check_plan(miss_src, miss_dst, miss_count, bs, top_k, device)
-    residency = _check_residency(resident, req_to_token, token_to_row, max_reqs, device)
-    if tally is not None:
-        _check_tensor("tally", tally, dtypes=(torch.int64,), ndim=1, device=device)
-        if tally.numel() != 2:
-            _fail("tally", f"expected 2 elements (valid entries, misses), got {tally.numel()}")
-
-    if probe is not None:
-        _check_tensor("probe", probe, dtypes=(torch.int64,), ndim=1, device=device)
-        if probe.numel() != PROBE_SLOTS:
-            _fail("probe", f"expected {PROBE_SLOTS} elements, got {probe.numel()}")
-
-    if blocks_per_req is None:
-        split = default_blocks_per_req(device, bs, top_k, threads)
-    else:
-        split = int(blocks_per_req)
-        if not 1 <= split <= 65535:
-            raise ValueError(f"blocks_per_req must be in [1, 65535], got {split}")
-    if workspace is None:
-        workspace = arrivals_workspace(device, bs)
-    else:
-        _check_tensor("workspace", workspace, dtypes=(torch.int32,), ndim=1, device=device)
-        if workspace.size(0) < bs:
-            _fail("workspace", f"needs >= {bs} entries, got {workspace.size(0)}")
-    if bs == 0:
-        return out
-
-    empty = top_k_tokens.new_empty(0)
-    module = _swap_in_module(top_k, hot, item_bytes, layout_id, record, bool(skip_io), threads, scale)
-    module.swap_in(
-        top_k_tokens,
-        req_pool_indices,
-        seq_lens,
-        num_real_reqs,
-        slot_tokens,
-        slot_locs,
-        lru,
-        host_locs,
-        host_kv,
-        device_kv,
-        out,
-        miss_src if record else empty,
-        miss_dst if record else empty,
-        miss_count if record else empty,
-        workspace,
-        resident if residency else empty,
-        req_to_token if residency else empty,
-        token_to_row if residency else empty,
-        tally if tally is not None else empty,
-        probe if probe is not None else empty,
-        split,
-    )
-    return out
-
-
-def copy_planned(
-    miss_src: torch.Tensor,
-    miss_dst: torch.Tensor,
-    miss_count: torch.Tensor,
-    num_real_reqs: torch.Tensor,
-    host_kv: torch.Tensor,
-    device_kv: torch.Tensor,
-    *,
-    layout: str = "rows",
-    num_blocks: Optional[int] = None,
-) -> None:
-    """Replay a recorded miss plan on another layer's pools: for each real row
-    b and m < miss_count[b], copy host row miss_src[b, m] to device row
-    miss_dst[b, m]. ``num_blocks`` fixes the grid (default: one per SM)."""
-    _check_tensor("miss_src", miss_src, dtypes=(torch.int64,), ndim=2)
-    if not miss_src.is_cuda:
-        _fail("miss_src", f"must be a CUDA tensor, got {miss_src.device}")
-    device = miss_src.device
-    _check_tensor("miss_dst", miss_dst, dtypes=(torch.int32,), ndim=2, device=device)
-    _check_tensor("miss_count", miss_count, dtypes=(torch.int32,), ndim=1, device=device)
-    _check_tensor("num_real_reqs", num_real_reqs, dtypes=(torch.int32,), ndim=1, device=device)
-    if num_real_reqs.numel() != 1:
-        _fail("num_real_reqs", f"expected 1 element, got {num_real_reqs.numel()}")
-    if miss_dst.shape != miss_src.shape:
-        _fail("miss_dst", f"shape {tuple(miss_dst.shape)} differs from miss_src's {tuple(miss_src.shape)}")
-    bs = miss_src.size(0)
-    if miss_count.size(0) != bs:
-        _fail("miss_count", f"expected {bs} entries, got {miss_count.size(0)}")
-    if bs > _MAX_PLANNED_ROWS:
-        _fail("miss_src", f"at most {_MAX_PLANNED_ROWS} rows, got {bs}")
-    layout_id = _layout_id(layout)
-    item_bytes = _check_kv(layout, host_kv, device_kv, device)
-    if num_blocks is None:
-        num_blocks = _sm_count(_device_index(device))
-    if bs == 0:
-        return
-    _copy_planned_module(item_bytes, layout_id).copy_planned(
-        miss_src, miss_dst, miss_count, num_real_reqs, host_kv, device_kv, int(num_blocks)
-    )
+    return launch(locals())
 
 
 def swap_in_selected(*args, **kwargs) -> torch.Tensor:
@@ -692,6 +367,4 @@ def swap_in_selected(*args, **kwargs) -> torch.Tensor:
     top_k_tokens = kwargs["top_k_tokens"] if "top_k_tokens" in kwargs else args[0]
     if top_k_tokens.is_cuda:
         return swap_in(*args, **kwargs)
-    from sglang_hisparse.kernels.reference import swap_in as reference_swap_in
-
-    return reference_swap_in(*args, **kwargs)
+    return reference.swap_in(*args, **kwargs)

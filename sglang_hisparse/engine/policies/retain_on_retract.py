@@ -21,7 +21,7 @@ copied back and forth:
   table (giving back the rows ``_pre_alloc`` just took for it) and admits the
   request as if its KV had just arrived (``admit_request_direct``);
 * an abort while retracted frees the retained rows
-  (:func:`sglang_hisparse.hooks.scheduler_abort_request`).
+  (:func:`sglang_hisparse.adapter.scheduler.scheduler_abort_request`).
 
 A request aborted in the same retraction (SGLang aborts the last one when
 even it does not fit) is released whole instead: it will not come back.
@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from sglang_hisparse.engine.state import ReqState
 
 
 @dataclass
@@ -56,56 +58,57 @@ class RetainedHostKV:
         return self.rows is not None and self.rows.numel() > 0
 
 
-def pd_decode_from_server_args() -> bool:
-    """True on a PD decode node (read once, when the coordinator is built)."""
-    try:
-        from sglang.srt.server_args import get_global_server_args
+class RetainOnRetract:
+    """The PD-decode retraction policy over the coordinator's state: a
+    retracted ``HOT`` request leaves the table (its slot is SGLang's to
+    reuse) and its host rows live on in a :class:`RetainedHostKV` that SGLang
+    holds until the request resumes or is aborted."""
 
-        return str(get_global_server_args().disaggregation_mode) == "decode"
-    except (ImportError, ValueError, AttributeError):
-        return False
+    def __init__(self, coord, enabled: bool):
+        self.coord = coord
+        self.enabled = enabled
+        # retract_req -> get_cpu_copy hand-off: SGLang calls get_cpu_copy
+        # right after retract_req for the same request (0.5.13
+        # ScheduleBatch.release_req), so one slot suffices; it must be empty.
+        self._pending: Optional[RetainedHostKV] = None
 
+    def retains(self, req) -> bool:
+        return (self.enabled and getattr(req, "to_finish", None) is None
+                and self.coord.requests.state_of(req) is ReqState.HOT)
 
-class RetractToHostMixin:
-    """Mixed into :class:`sglang_hisparse.coordinator.HiSparseCoordinator`;
-    uses its tables, pools, streams and ``request_finished``."""
-
-    def _retains_on_retract(self, req) -> bool:
-        return (self.pd_decode and not self.is_dsv4_hisparse
-                and getattr(req, "to_finish", None) is None
-                and self._live.get(req.req_pool_idx) is req
-                and req.req_pool_idx not in self._resident_rows)
-
-    def _retract_to_host(self, req) -> None:
+    def retract_to_host(self, req) -> None:
         """Keep the request's host rows (plus its newest token) and release the rest."""
+        coord = self.coord
+        if self._pending is not None:
+            raise RuntimeError(
+                f"HiSparse: {req.rid} retracts while {self._pending.rid}'s retained KV was "
+                "never taken by get_cpu_copy (0.5.13 calls it right after retract_req)")
         idx = req.req_pool_idx
         need = len(req.origin_input_ids) + len(req.output_ids) - 1  # SGLang's snapshot length
-        if self._streams.gpu:
-            if self.decode_producer_stream is not None:
-                torch.cuda.current_stream().wait_stream(self.decode_producer_stream)
-            self.wait_for_pending_backup()
+        coord.streams.before_release()
         # Host holds [0, kv_allocated_len - 1): each decode step writes the
         # previous token through. Until the first step after admission the
         # whole prompt is there already. Write the rest (only ever the newest
         # token) through the same way, as if the next step had begun.
-        on_host = req.kv_allocated_len - (0 if self._skip_first_backup[idx] else 1)
+        rec = coord.requests.record(idx)
+        on_host = req.kv_allocated_len - (0 if rec.skip_first_backup else 1)
         seqs = [pos + 2 for pos in range(max(on_host, 0), need)]
         if seqs:
-            dev = self.req_to_host_pool.device
-            self._eager_backup_previous_token(
+            dev = coord.req_to_host_pool.device
+            coord._eager_backup_previous_token(
                 torch.tensor(seqs, dtype=torch.int64, device=dev),
                 torch.full((len(seqs),), idx, dtype=torch.int64, device=dev), seqs, [idx] * len(seqs))
-        alloc_len = int(self.req_to_host_pool_allocated_len[idx])  # whole host pages
-        rows = self.req_to_host_pool[idx, :alloc_len].clone()
-        self.req_to_host_pool[idx, :] = -1
-        self.req_to_host_pool_allocated_len[idx] = 0
-        self._pending_retained = RetainedHostKV(req.rid, need, rows, alloc_len, req)
-        self.request_finished(req)  # hot buffer, device rows; no host rows left to free
+        alloc_len = int(coord.req_to_host_pool_allocated_len[idx])  # whole host pages
+        rows = coord.req_to_host_pool[idx, :alloc_len].clone()
+        coord.req_to_host_pool[idx, :] = -1
+        coord.req_to_host_pool_allocated_len[idx] = 0
+        self._pending = RetainedHostKV(req.rid, need, rows, alloc_len, req)
+        coord.request_finished(req)  # hot buffer, device rows; no host rows left to free
 
     # ------------------------------------------------ allocator entry points
     def take_retained(self, num_tokens: int) -> RetainedHostKV:
         """``get_cpu_copy``: what ``retract_req`` just kept for this request."""
-        kept, self._pending_retained = self._pending_retained, None
+        kept, self._pending = self._pending, None
         if kept is None:  # released whole (aborted, finished, staging)
             return RetainedHostKV("", num_tokens, None, 0)
         if kept.num_tokens != num_tokens:
@@ -122,22 +125,23 @@ class RetractToHostMixin:
             raise RuntimeError(
                 "HiSparse: load_cpu_copy got no retained host KV (the request was "
                 "released whole when it was retracted)")
+        coord = self.coord
         req = kept.req
         idx = req.req_pool_idx
         if len(token_indices) != kept.num_tokens:
             raise RuntimeError(
                 f"HiSparse: {kept.rid} resumes with {len(token_indices)} tokens, "
                 f"retained {kept.num_tokens}")
-        self.mem_pool_host.release_request_rows(
-            self.req_to_host_pool, self.req_to_host_pool_allocated_len, idx)
-        self.req_to_host_pool[idx, :kept.rows.numel()] = kept.rows
-        self.req_to_host_pool_allocated_len[idx] = kept.allocated_len
+        coord.mem_pool_host.release_request_rows(
+            coord.req_to_host_pool, coord.req_to_host_pool_allocated_len, idx)
+        coord.req_to_host_pool[idx, :kept.rows.numel()] = kept.rows
+        coord.req_to_host_pool_allocated_len[idx] = kept.allocated_len
         kept.rows = None
-        self.admit_request_direct(req)
+        coord.admit_request_direct(req)
 
     def release_retained(self, kept) -> None:
         """Free a retained request's host rows (aborted while retracted)."""
         if isinstance(kept, RetainedHostKV):
             if kept.holds_rows:
-                self.mem_pool_host.free(kept.rows[kept.rows >= 0])
+                self.coord.mem_pool_host.free(kept.rows[kept.rows >= 0])
             kept.rows = None

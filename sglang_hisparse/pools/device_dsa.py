@@ -49,7 +49,7 @@ from typing import Optional
 
 import torch
 
-from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+from sglang_hisparse.adapter.sglang_classes import DSATokenToKVPool
 
 
 class HiSparseDSADevicePool(DSATokenToKVPool):
@@ -140,27 +140,6 @@ class HiSparseDSADevicePool(DSATokenToKVPool):
         return super().get_mla_kv_buffer(
             layer, self.translate_loc_to_hisparse_device(loc), dst_dtype
         )
-
-    def transfer_values_on_device(self, dst_indices, src_indices):
-        """Copy whole physical rows ``src -> dst`` in every layer.
-
-        No 0.5.13 caller; kept because the native class offers it. Indices are
-        physical rows (no translation), like the native method.
-        """
-        if str(self.device).startswith("cuda"):
-            # One launch for all layers; sgl_kernel is a hard dependency of
-            # SGLang's CUDA/ROCm builds, imported lazily so CPU tests work.
-            from sgl_kernel.kvcacheio import transfer_kv_all_layer_mla
-
-            ptrs = self.data_ptrs  # same pool on both sides
-            transfer_kv_all_layer_mla(
-                src_layers=ptrs, dst_layers=ptrs,
-                src_indices=src_indices, dst_indices=dst_indices,
-                item_size=self.bytes_per_token, num_layers=self.layer_num,
-            )
-            return
-        for buf in self.kv_buffer:
-            buf[dst_indices] = buf[src_indices]
 
     # ------------------------------------------------------------ retraction
     # A retracted request's KV lives mostly in the host pool; the device pool

@@ -53,7 +53,9 @@ def format_stats(stats: dict) -> list[str]:
         f"#hisparse resident: {stats['resident_reqs']}",
         f"#hisparse demoted: {stats['demotions']}",
         f"#hisparse parked: {stats['parked_reqs']}",
-    ]
+    ] + ([f"#hisparse drift: {stats['accounting_drifts']}"] if stats.get("accounting_drifts") else []) + (
+        [f"#exact checked: {stats['exact_checked']}", f"#exact mismatch: {stats['exact_mismatches']}"]
+        if "exact_checked" in stats else [])
 
 
 def _metrics_enabled() -> bool:

@@ -24,7 +24,7 @@ An exhausted pool never raises from the admission-aware entry point
 ``alloc_paged_token_slots`` keeps 0.5.13's contract (raises) for the PD
 decode prealloc call site (``disaggregation/decode.py:1326``), which the
 allocator's logical budget keeps from overrunning the pool.
-Host buffers come from :mod:`sglang_hisparse.host_memory` (how they are
+Host buffers come from :mod:`sglang_hisparse.pools.host_memory` (how they are
 pinned decides the swap-in kernel's zero-copy read rate);
 ``destroy()`` waits for outstanding copies and unpins them.
 """
@@ -37,9 +37,9 @@ from typing import List, Optional
 
 import torch
 
-from sglang.srt.mem_cache.memory_pool_host import HostKVCache, MLATokenToKVPoolHost
+from sglang_hisparse.adapter.sglang_classes import HostKVCache, MLATokenToKVPoolHost
 
-from sglang_hisparse import host_memory
+from sglang_hisparse.pools import host_memory
 
 logger = logging.getLogger(__name__)
 
@@ -340,6 +340,7 @@ class HiSparseC4HostPool(PagedHostSlots, HostKVCache):
         self.size_per_token = self.page_bytes // page_size
         self.start_layer, self.end_layer = 0, self.layer_num
         self.lock = threading.RLock()
+        self._ptrs = None  # (device, host) layer base addresses on the GPU, see _layer_ptrs
         self.kv_buffer = [
             host_memory.alloc_pinned((int(num_host_pages), self.page_bytes), torch.uint8,
                                      pin=self.pin_memory)
@@ -381,7 +382,8 @@ class HiSparseC4HostPool(PagedHostSlots, HostKVCache):
         if host_indices.numel() == 0:
             return
         if self._gpu(host_indices, device_indices):
-            self._cuda_copy(self.device_buffers, self.kv_buffer, device_indices, host_indices)
+            device_ptrs, host_ptrs = self._layer_ptrs()
+            self._cuda_copy(device_ptrs, host_ptrs, device_indices, host_indices)
             return
         for layer in range(self.layer_num):
             self._copy_tokens(self.device_buffers[layer], self.kv_buffer[layer],
@@ -392,23 +394,48 @@ class HiSparseC4HostPool(PagedHostSlots, HostKVCache):
         if host_indices.numel() == 0:
             return
         if self._gpu(host_indices, device_indices):
-            self._cuda_copy(self.kv_buffer[layer_id : layer_id + 1],
-                            self.device_buffers[layer_id : layer_id + 1],
+            device_ptrs, host_ptrs = self._layer_ptrs()
+            self._cuda_copy(host_ptrs[layer_id : layer_id + 1],
+                            device_ptrs[layer_id : layer_id + 1],
                             host_indices, device_indices)
             return
         self._copy_tokens(self.kv_buffer[layer_id], self.device_buffers[layer_id],
                           host_indices, device_indices)
 
-    def _cuda_copy(self, src_bufs, dst_bufs, src_slots, dst_slots):
-        # Token-granular C4 copy across layers by pointer arrays (0.5.13
-        # jit_kernel transfer_cache_dsv4_mla; GPU-verified path still pending).
+    def _layer_ptrs(self):
+        """``(device, host)`` per-layer base addresses as tensors on the GPU.
+
+        Built at the first GPU copy, then reused: the buffers never move (the
+        host buffers live as long as this pool, the device buffers as the
+        device pool), so a copy in steady state does no host-to-device
+        transfer for its pointer arrays (a layer's are slices of these)."""
+        if self._ptrs is None:
+            dev = self.gpu_device
+            self._ptrs = tuple(
+                torch.tensor([b.data_ptr() for b in bufs], dtype=torch.uint64, device=dev)
+                for bufs in (self.device_buffers, self.kv_buffer)
+            )
+        return self._ptrs
+
+    def _cuda_copy(self, src_ptrs, dst_ptrs, src_slots, dst_slots):
+        """Token-granular C4 copy across layers by pointer arrays.
+
+        Calls SGLang's ``sglang.jit_kernel.hisparse.transfer_cache_dsv4_mla``
+        although we never call native HiSparse: despite its module it is a
+        plain copy kernel (per token, the 576 B value run and the 8 B scale
+        run from one page-padded C4 buffer to another, by per-layer pointer
+        arrays) that reads no HiSparse state (no hot buffer, LRU or mapping).
+        0.5.13 calls it the same way from ``DeepSeekV4PagedHostPool``
+        (``memory_pool_host.py:2054``), the host pool its HiCache hybrid
+        assembler builds too, for copies that are not whole pages. Our own
+        copy of it would add nothing. The CPU path (``_copy_tokens``) is what
+        the tests check; this GPU path has not been verified on a GPU yet.
+        """
         from sglang.jit_kernel.hisparse import transfer_cache_dsv4_mla
 
         dev = self.gpu_device
-        ptrs = lambda bufs: torch.tensor([b.data_ptr() for b in bufs], dtype=torch.uint64,
-                                         device=dev)
         transfer_cache_dsv4_mla(
-            src_ptrs=ptrs(src_bufs), dst_ptrs=ptrs(dst_bufs),
+            src_ptrs=src_ptrs, dst_ptrs=dst_ptrs,
             src_indices=src_slots.to(device=dev, dtype=torch.int64),
             dst_indices=dst_slots.to(device=dev, dtype=torch.int64),
         )

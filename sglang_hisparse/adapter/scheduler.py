@@ -1,24 +1,11 @@
-"""Method hooks on SGLang's scheduler and model runner for our data plane.
+"""SGLang's scheduler: the hooks that let our coordinator see its queues.
 
-They translate between SGLang objects and the coordinator/allocator; the
-manifest installs them (PROPERTY on ``ModelRunner.max_token_pool_size``,
-AROUND on ``Scheduler.abort_request``).
+They translate between SGLang's ``Scheduler`` and the engine; the manifest
+installs them (AROUND on ``Scheduler.abort_request`` and
+``Scheduler.get_next_batch_to_run``).
 """
 
 from __future__ import annotations
-
-
-def model_runner_max_token_pool_size(self):
-    """PROPERTY getter for ``ModelRunner.max_token_pool_size`` (0.5.13
-    ``model_runner.py:2204``): with HiSparse the longest request is bounded by
-    the host-backed logical space, not the GPU pool (0.5.23 MR:1516-1524).
-    Feeds ``TpModelWorker.max_req_len`` and the PD prefill budget."""
-    alloc = getattr(self, "token_to_kv_pool_allocator", None)
-    if getattr(self, "enable_hisparse", False) and hasattr(alloc, "logical_capacity"):
-        return alloc.logical_capacity
-    if self.is_hybrid_swa:
-        return self.full_max_total_num_tokens
-    return self.max_total_num_tokens
 
 
 def scheduler_abort_request(original, self, recv_req):
@@ -29,7 +16,7 @@ def scheduler_abort_request(original, self, recv_req):
       rows (``admit_request_direct``); the original only releases its logical
       KV. Release the HiSparse side first (0.5.23 S:5708-5709).
     * PD decode: a retracted request keeps its host rows in ``kv_cache_cpu``
-      (``sglang_hisparse.disaggregation``), which the original just drops.
+      (``sglang_hisparse.engine.policies.retain_on_retract``), which the original just drops.
       Free them first.
     * Colocated: a request in the staging queue is in no queue the original
       scans, so the abort is lost and it runs to completion. Mark it
@@ -64,7 +51,7 @@ def scheduler_get_next_batch_to_run(original, self):
     where ``collect_ready_reqs`` runs: on the first call, give the coordinator
     a view of what the scheduler still has to prefill, so a staged request
     waits on host while its hot buffer would starve a waiting prompt
-    (``sglang_hisparse.parking``). PD decode runs another loop and never
+    (``sglang_hisparse.engine.policies.parking``). PD decode runs another loop and never
     installs it: its requests are admitted straight from host."""
     coord = getattr(self, "hisparse_coordinator", None)
     if coord is not None and getattr(coord, "prefill_demand_installed", True) is False:
@@ -78,7 +65,7 @@ def scheduler_prefill_demand(scheduler):
     max_new_tokens, plus the running requests' expected future tokens."""
     from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
 
-    from sglang_hisparse.parking import PrefillDemand
+    from sglang_hisparse.engine.policies.parking import PrefillDemand
 
     in_flight = 0
     chunked = scheduler.chunked_req

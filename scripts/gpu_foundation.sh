@@ -1,0 +1,306 @@
+#!/usr/bin/env bash
+# One device command for the lent H200: GPU tests, before/after e2e timing,
+# the exactness check on the tiny model, a planted fault the check must
+# catch, and the check on a 61-layer DeepSeek-V3.2-geometry model.
+#
+# BEFORE THE DEVICE RUN, here (network; from the repo root):
+#   bash .gpu/build_bundle.sh                       # .bundle/site.tar.xz.* (kit)
+#   .venv/bin/python -m pip download --no-deps -d .bundle/wheels \
+#       pytest-xdist==3.6.1 execnet==2.1.1           # for the tests stage
+#   # the "before" package (configuration ref of e2e_gpu.py), from git 1eebd12:
+#   rm -rf /tmp/ref-1eebd12 .bundle/ref_pkg && mkdir -p /tmp/ref-1eebd12 \
+#     && git archive 1eebd12 | tar -x -C /tmp/ref-1eebd12 \
+#     && .venv/bin/python -m pip install -q --no-deps --no-compile \
+#          --target .bundle/ref_pkg /tmp/ref-1eebd12 \
+#     && git rev-parse 1eebd12 > .bundle/ref_pkg/REF_COMMIT
+#   (build isolation fetches setuptools+wheel; the venv itself has no
+#   `wheel`, so --no-build-isolation fails here. ~0.9 MB.)
+#   Optional: a JIT cache brought back by the `jit` stage:
+#   cat jitcache.tar.xz.* > .bundle/jitcache.tar.xz  (counts toward the
+#   64 MiB that travels: the kit's bundle is ~45 MB of it).
+#
+# ON THE DEVICE, from the repo root, carry [".bundle", ".gpu"]:
+#   bash scripts/gpu_foundation.sh STAGE...
+# Stages run in the order given; each has its own `timeout`, and the whole
+# command keeps within GF_BUDGET_S (default 570 s, the device allows 600):
+# a stage that no longer fits is skipped and says so. Estimates, on a fresh
+# machine without a JIT cache ("cold": the first server request of a command
+# spends ~2.3 min building tvm-ffi/deep_gemm/triton/flashinfer kernels;
+# later launches in the same command reuse them):
+#   tests     GPU tests in 8 pytest-xdist workers: tests/test_kernel_gpu.py,
+#             tests/test_host_memory_gpu.py, tests/test_exactness_kernel_gpu.py
+#             (those present) and tests/test_soak.py::test_soak_on_gpu.
+#             ~3-4 min (nvcc builds dominate; 53 tests took 2 min 35 s).
+#   bg-tests  the same in the background, next to the stages after it; the
+#             next timing stage (e2e*) and the end of the command wait for
+#             it. Use it beside check/fault/deep only (they time nothing).
+#   check     tiny model, ours with --check (SGLANG_HISPARSE_CHECK=1), the
+#             concurrent workload (16 x 9000-token prompts, hot buffer 4096:
+#             host misses); must report checked > 0 and no mismatch.
+#             1 launch: ~1.5 min warm, ~4 min cold.
+#   fault     the same with SGLANG_HISPARSE_SKIP_IO=1 (config noio: host
+#             copies skipped), which the check must report as mismatches.
+#             ~1.5 min warm, ~4 min cold.
+#   e2e1      timing round 1: base, ref, ours on capacity + lone (one launch
+#             each, both workloads per launch, --cpu-probe). ~4.5 min warm,
+#             ~6.5 min cold.
+#   e2e2      timing round 2, in the opposite order (ours, ref, base). Same.
+#             Both rounds in one command are merged there; across commands
+#             merge here: python3 scripts/e2e_gpu.py --merge \
+#               e2e_round1.json e2e_round2.json --out e2e_merged.json
+#   e2e       both rounds as one e2e_gpu.py --repeats 2 call (6 launches,
+#             alternating): ~9 min warm, over 10 min cold. Prefer e2e1/e2e2.
+#   deep      scripts/model_config.py --geometry v32 --layers 61 (random
+#             weights, 31 GB bf16, --load-format dummy), ours with --check on
+#             4 x 12000-token prompts x 64 tokens, --max-total-tokens 60000,
+#             --mem-fraction-static 0.45, host_to_device_ratio 2 (~9 GiB
+#             pinned). ~3-4 min warm (launch: weights, graphs up to batch 4),
+#             +2 min cold.
+#   jit       save_jit_cache: the kernel caches as jitcache.tar.xz (split in
+#             15 MiB parts when larger; not returned above ~45 MiB). Run
+#             last; ~0.5-1 min. Then, here:
+#             cat jitcache.tar.xz* > .bundle/jitcache.tar.xz
+# A split that fits 3 commands of <= 10 min (plus ~1 min machine start each):
+#   1. bash scripts/gpu_foundation.sh bg-tests check fault jit   (~6-7 min)
+#   2. bash scripts/gpu_foundation.sh e2e1 deep                  (~8-10 min cold)
+#   3. bash scripts/gpu_foundation.sh e2e2                       (~5-7 min)
+# Environment: GF_BUDGET_S (570), GF_CPUS (e.g. fastest:4: pin e2e servers
+# to the cores timed fastest; only with a warm JIT cache, kernel builds get
+# those cores only), GF_CHECK_CONFIGS (ours), GF_DEEP_LAYERS (61),
+# GF_DEEP_CONFIGS (ours), GF_XDIST_WORKERS (8).
+#
+# Results come back as at most 8 files under $OUT: summary.txt (each
+# stage's rc, wall time and result lines), gf_logs.tar.xz (every stage's
+# output, JSON and server log; tar -xJf), jitcache.tar.xz[.NN].
+set -u
+STAGES=("$@")
+if [ ${#STAGES[@]} -eq 0 ]; then
+  sed -n '2,/^set -u/p' "$0" | sed 's/^# \{0,1\}//'
+  exit 2
+fi
+for s in "${STAGES[@]}"; do
+  case $s in tests|bg-tests|check|fault|e2e|e2e1|e2e2|deep|jit) ;;
+    *) echo "unknown stage $s (tests bg-tests check fault e2e e2e1 e2e2 deep jit)"; exit 2 ;;
+  esac
+done
+[ -f scripts/e2e_gpu.py ] && [ -f .gpu/device_env.sh ] || {
+  echo "run from the repo root with .gpu and .bundle carried"; exit 2; }
+
+T0=$(date +%s)
+BUDGET_S=${GF_BUDGET_S:-570}
+REPO=$(pwd)
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+WORK=${TMPDIR:-/tmp}/gpu_foundation
+RUN=$WORK/run_$(date +%Y%m%d_%H%M%S)
+mkdir -p "$RUN"
+SUMMARY=$OUT/summary.txt
+: > "$SUMMARY"
+say() { echo "$*" | tee -a "$SUMMARY"; }
+elapsed() { echo $(( $(date +%s) - T0 )); }
+
+WANT_JIT=0
+for s in "${STAGES[@]}"; do [ "$s" = jit ] && WANT_JIT=1; done
+# Kept back from every stage: packing the logs (and saving the JIT cache).
+RESERVE=$(( 15 + 60 * WANT_JIT ))
+
+finish() {
+  local rc=$?
+  [ -n "${BG_PID:-}" ] && wait_bg
+  if [ "$WANT_JIT" = 1 ]; then
+    local s; s=$(date +%s)
+    if declare -F save_jit_cache >/dev/null && save_jit_cache "$RUN"; then
+      local size; size=$(stat -c %s "$RUN/jitcache.tar.xz")
+      if [ "$size" -le $(( 15 * 1024 * 1024 )) ]; then
+        cp "$RUN/jitcache.tar.xz" "$OUT/"
+        say "== jit: jitcache.tar.xz $(( size / 1024 )) KiB in $(( $(date +%s) - s )) s"
+      elif [ "$size" -le $(( 45 * 1024 * 1024 )) ]; then
+        split -b 15M -d -a 2 "$RUN/jitcache.tar.xz" "$OUT/jitcache.tar.xz."
+        say "== jit: jitcache.tar.xz $(( size / 1024 / 1024 )) MiB in parts $(cd "$OUT" && echo jitcache.tar.xz.*)" \
+            "($(( $(date +%s) - s )) s); here: cat jitcache.tar.xz.* > .bundle/jitcache.tar.xz"
+      else
+        say "== jit: jitcache.tar.xz is $(( size / 1024 / 1024 )) MiB, over what comes back; not returned"
+      fi
+      rm -f "$RUN/jitcache.tar.xz"
+    else
+      say "== jit: save_jit_cache failed"
+    fi
+  fi
+  say "== total $(elapsed) s (budget $BUDGET_S s)"
+  tar -C "$RUN" -cJf "$OUT/gf_logs.tar.xz" . 2>/dev/null
+  if [ "$(stat -c %s "$OUT/gf_logs.tar.xz" 2>/dev/null || echo 0)" -gt $(( 15 * 1024 * 1024 )) ]; then
+    # Too large to come back: keep stage outputs, JSON and the ends of the server logs.
+    find "$RUN" -name '*.log' -size +2M -exec sh -c 'tail -c 2000000 "$1" > "$1.tail" && rm "$1"' _ {} \;
+    tar -C "$RUN" -cJf "$OUT/gf_logs.tar.xz" .
+  fi
+  exit $rc
+}
+trap finish EXIT
+trap 'exit 143' TERM INT
+
+say "== gpu_foundation: stages ${STAGES[*]}; run dir $RUN"
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>&1 | sed 's/^/   gpu: /' | tee -a "$SUMMARY"
+
+# --- environment: the kit, this work tree's package, the ref package ---------
+source .gpu/device_env.sh
+PROJ=$WORK/proj
+rm -rf "$PROJ"
+if ! python3 -m pip install -q --no-deps --no-build-isolation --no-index --no-compile \
+      --target "$PROJ" . > "$RUN/install.log" 2>&1; then
+  say "== install: FAILED (see install.log)"; tail -20 "$RUN/install.log"; exit 1
+fi
+# setuptools may leave metadata in the checkout (git-ignored build output),
+# which pytest (cwd on sys.path) would see as a second install.
+rm -rf ./*.egg-info build
+export PYTHONPATH="$PROJ${PYTHONPATH:+:$PYTHONPATH}"
+say "== install: $(ls -d "$PROJ"/sglang_hisparse-*.dist-info | xargs -n1 basename) into $PROJ ($(elapsed) s)"
+
+REF=$REPO/.bundle/ref_pkg
+REF_CONFIGS=""
+if [ -f "$REF/sglang_hisparse/__init__.py" ] && ls "$REF"/sglang_hisparse-*.dist-info >/dev/null 2>&1; then
+  REF_CONFIGS=ref
+  say "   ref package: $REF ($(cat "$REF/REF_COMMIT" 2>/dev/null || echo 'no REF_COMMIT'))"
+else
+  say "   no .bundle/ref_pkg: the e2e stages run without configuration ref"
+fi
+
+# A port no earlier server still holds (one left running would answer the
+# health checks of the next launch).
+PORT=$(python3 - <<'EOF'
+import socket
+for port in range(30010, 30100, 7):
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+    print(port)
+    break
+EOF
+)
+[ "$PORT" = 30010 ] || say "   port 30010 is taken (a server left over?); using $PORT"
+
+# --- stage runner ---------------------------------------------------------------
+# run_stage NAME NEED_S CAP_S CMD...: runs CMD under timeout min(CAP_S, time
+# left), output in $RUN/NAME.out, a summary in $RUN/NAME.summary.
+run_stage() {
+  local name=$1 need=$2 cap=$3; shift 3
+  local left=$(( BUDGET_S - $(elapsed) - RESERVE - 45 ))  # 45: SIGTERM grace + stop
+  if [ "$left" -lt "$need" ]; then
+    echo "== $name: SKIPPED ($left s left, needs ~$need s)" > "$RUN/$name.summary"
+    return 0
+  fi
+  local t=$(( cap < left ? cap : left ))
+  local s; s=$(date +%s)
+  timeout -k 40 "$t" "$@" > "$RUN/$name.out" 2>&1
+  local rc=$?
+  {
+    echo "== $name: rc=$rc$([ $rc -eq 124 ] && echo ' (TIMED OUT)') in $(( $(date +%s) - s )) s (limit $t s)"
+    summarize_stage "$name"
+  } > "$RUN/$name.summary"
+  return 0
+}
+
+summarize_stage() {
+  local f=$RUN/$1.out
+  case $1 in
+    tests|bg-tests)
+      grep -E '^(FAILED|ERROR) ' "$f" | head -30
+      grep -E '^=+ .*[0-9]+ (passed|failed|errors?|skipped)' "$f" | tail -1
+      grep -q -E '^=+ .*[0-9]+ (passed|failed|errors?|skipped)' "$f" || tail -5 "$f" ;;
+    *)
+      grep -E '\] (sglang_hisparse from|FAILED)|^--ref-pkg|^cpu probe|^servers run on|Traceback|counter flush' "$f" | cut -c1-300
+      # e2e_gpu's own tables: the workload table, the limit lines, the check table.
+      sed -n '/^workload    config/,$p' "$f"
+      grep -q '^workload    config' "$f" || tail -15 "$f" ;;
+  esac
+}
+
+show() { cat "$RUN/$1.summary" | tee -a "$SUMMARY"; }
+
+BG_PID=""
+wait_bg() {
+  [ -n "$BG_PID" ] || return 0
+  say "   (waiting for the background tests)"
+  wait "$BG_PID"
+  BG_PID=""
+  show bg-tests
+}
+
+E2E=(python3 scripts/e2e_gpu.py --port "$PORT")
+CPU_ARGS=(--cpu-probe)
+[ -n "${GF_CPUS:-}" ] && CPU_ARGS=(--cpus "$GF_CPUS")
+HS_RATIO2='{"top_k": 2048, "device_buffer_size": 4096, "host_to_device_ratio": 2}'
+join() { local IFS=,; echo "$*"; }
+
+test_files() {
+  local f files=()
+  for f in tests/test_kernel_gpu.py tests/test_host_memory_gpu.py tests/test_exactness_kernel_gpu.py; do
+    [ -f "$f" ] && files+=("$f")
+  done
+  grep -q 'def test_soak_on_gpu' tests/test_soak.py 2>/dev/null && files+=(tests/test_soak.py::test_soak_on_gpu)
+  echo "${files[@]}"
+}
+
+tests_cmd() {
+  local xd=$WORK/xd
+  if [ ! -f "$xd/.ok" ]; then
+    python3 -m pip install -q --no-deps --no-index --target "$xd" .bundle/wheels/*.whl && touch "$xd/.ok" \
+      || { echo "cannot install .bundle/wheels (pytest-xdist, execnet)"; return 1; }
+  fi
+  # shellcheck disable=SC2046
+  env PYTHONPATH="$xd${PYTHONPATH:+:$PYTHONPATH}" python3 -m pytest -n "${GF_XDIST_WORKERS:-8}" -p xdist \
+    -p no:benchmark -p no:cacheprovider -v -rfEs --junitxml="$RUN/tests.xml" $(test_files)
+}
+
+e2e_round() {  # e2e_round NAME CONFIGS REPEATS
+  "${E2E[@]}" --configs "$2" --workloads capacity,lone --repeats "$3" "${CPU_ARGS[@]}" \
+    ${REF_CONFIGS:+--ref-pkg "$REF"} --out "$RUN/$1.json" --logs "$RUN/$1"
+}
+
+deep_cmd() {
+  local model=$WORK/dsv32-${GF_DEEP_LAYERS:-61}
+  python3 scripts/model_config.py --geometry v32 --layers "${GF_DEEP_LAYERS:-61}" --out "$model" || return 1
+  "${E2E[@]}" --model "$model" --configs "${GF_DEEP_CONFIGS:-ours}" --workloads deep --check \
+    --warmup 0 --hisparse-config "$HS_RATIO2" --server-args "--mem-fraction-static 0.45" \
+    --out "$RUN/deep.json" --logs "$RUN/deep"
+}
+
+# `timeout` runs programs, not functions: a stage that needs a function runs
+# it in `bash -c` with the function and the variables it reads declared.
+for stage in "${STAGES[@]}"; do
+  case $stage in
+    tests)
+      run_stage tests 120 420 bash -c "$(declare -f test_files tests_cmd); WORK='$WORK' RUN='$RUN' tests_cmd"
+      show tests ;;
+    bg-tests)
+      run_stage bg-tests 120 420 bash -c "$(declare -f test_files tests_cmd); WORK='$WORK' RUN='$RUN' tests_cmd" &
+      BG_PID=$!
+      say "== bg-tests: started in the background (pid $BG_PID)" ;;
+    check)
+      run_stage check 90 330 "${E2E[@]}" --configs "${GF_CHECK_CONFIGS:-ours}" --workloads concurrent \
+        --check --warmup 0 --out "$RUN/check.json" --logs "$RUN/check"
+      show check ;;
+    fault)
+      run_stage fault 90 330 "${E2E[@]}" --configs noio --workloads concurrent \
+        --check --warmup 0 --out "$RUN/fault.json" --logs "$RUN/fault"
+      show fault ;;
+    e2e1|e2e2|e2e)
+      wait_bg
+      case $stage in
+        e2e1) run_stage e2e1 240 480 bash -c "$(declare -f e2e_round); $(declare -p E2E CPU_ARGS REF_CONFIGS REF RUN); e2e_round e2e_round1 $(join base $REF_CONFIGS ours) 1" ;;
+        e2e2) run_stage e2e2 240 480 bash -c "$(declare -f e2e_round); $(declare -p E2E CPU_ARGS REF_CONFIGS REF RUN); e2e_round e2e_round2 $(join ours $REF_CONFIGS base) 1" ;;
+        e2e)  run_stage e2e 420 560 bash -c "$(declare -f e2e_round); $(declare -p E2E CPU_ARGS REF_CONFIGS REF RUN); e2e_round e2e_both $(join base $REF_CONFIGS ours) 2" ;;
+      esac
+      show "$stage"
+      rounds=$(ls "$RUN"/e2e_round1.json "$RUN"/e2e_round2.json 2>/dev/null)
+      if [ "$(echo "$rounds" | wc -w)" = 2 ] && [ "$stage" = e2e2 ]; then
+        python3 scripts/e2e_gpu.py --merge $rounds --out "$RUN/e2e_merged.json" > "$RUN/e2e_merged.out" 2>&1
+        say "== e2e rounds 1+2 merged (e2e_merged.json):"
+        sed -n '/^workload    config/,$p' "$RUN/e2e_merged.out" | tee -a "$SUMMARY"
+      fi ;;
+    deep)
+      run_stage deep 150 450 bash -c "$(declare -f deep_cmd); $(declare -p E2E HS_RATIO2 RUN WORK); deep_cmd"
+      show deep ;;
+    jit) ;;  # done by finish, after everything else
+  esac
+done

@@ -1,0 +1,117 @@
+"""SGLang's model runner: what it builds and reads for HiSparse.
+
+* :class:`HiSparseCoordinator` - class REPLACE of 0.5.13's coordinator, built
+  by ``ModelRunner`` (``model_runner.py:818``) with 0.5.13's fixed keyword
+  set. It reads what that constructor cannot pass (the swap-in block size
+  from ``--hisparse-config``, whether this is a PD decode node) from the
+  process-wide server args and hands them to the engine's coordinator, which
+  never touches SGLang itself.
+* :func:`model_runner_max_token_pool_size` - PROPERTY getter for
+  ``ModelRunner.max_token_pool_size``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from sglang_hisparse.adapter import metrics
+from sglang_hisparse.engine.coordinator import Coordinator
+
+
+def _server_args():
+    try:
+        from sglang.srt.server_args import get_global_server_args
+
+        return get_global_server_args()
+    except (ImportError, ValueError, AttributeError):
+        return None  # no server (unit tests build the coordinator directly)
+
+
+def configured_swap_in_block_size(server_args) -> Optional[int]:
+    """``swap_in_block_size`` of --hisparse-config (None: the kernel's default)."""
+    if server_args is None:
+        return None
+    from sglang_hisparse.adapter.args import resolved_hisparse_config
+
+    try:
+        return resolved_hisparse_config(server_args).swap_in_block_size
+    except Exception:  # validated at startup; a server without a model config
+        return None
+
+
+def is_pd_decode(server_args) -> bool:
+    """True on a PD decode node (``--disaggregation-mode decode``)."""
+    return server_args is not None and str(getattr(server_args, "disaggregation_mode", "")) == "decode"
+
+
+def build_host_pool(allocator, host_to_device_ratio: int):
+    """The pinned host pool for this allocator's device pool: DSA rows, or
+    DeepSeek-V4 C4 pages (``host_to_device_ratio`` x the device pool)."""
+    from sglang_hisparse.pools.host import HiSparseC4HostPool, HiSparseMLAHostPool
+
+    compress_ratio = getattr(allocator, "compress_ratio", 1)
+    if compress_ratio != 1:
+        device_pool = allocator.hisparse_kvcache  # the C4 physical pool
+        page_size = device_pool.page_size
+        pages = -(-(allocator.size_full // compress_ratio) // page_size)
+        return HiSparseC4HostPool(device_buffers=device_pool.kv_buffer, num_host_pages=pages,
+                                  page_size=page_size)
+    device_pool = allocator.get_kvcache()
+    try:
+        return HiSparseMLAHostPool(
+            device_pool=device_pool, host_to_device_ratio=host_to_device_ratio, host_size=0,
+            page_size=device_pool.page_size, override_kv_cache_dim=device_pool.kv_cache_dim)
+    except ValueError as exc:
+        # HiCache's own check (memory_pool_host.py:269) names neither the key
+        # nor the flag; the startup estimate should have refused this already.
+        if "Not enough host memory" not in str(exc):
+            raise
+        raise ValueError(
+            f"HiSparse host KV pool: {exc.args[0].split('. Please')[0]} for "
+            f"{device_pool.size} device rows x host_to_device_ratio {host_to_device_ratio} "
+            f"x {device_pool.layer_num} layers; every TP rank on this node pins its own pool. "
+            "Lower host_to_device_ratio in --hisparse-config, or --max-total-tokens / "
+            "--mem-fraction-static") from exc
+
+
+def abort_for_drift(req, message: str) -> None:
+    """The engine cannot serve this request any more: finish it with the
+    reason (the client sees an abort with the message), keep serving."""
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    if req.to_finish is None:
+        req.to_finish = FINISH_ABORT(message)
+
+
+class HiSparseCoordinator(Coordinator):
+    """Drop-in for 0.5.13 ``HiSparseCoordinator`` (same constructor)."""
+
+    def __init__(self, req_to_token_pool, token_to_kv_pool_allocator, top_k: int,
+                 device_buffer_size: int, device, tp_group, host_to_device_ratio: int = 2,
+                 **engine_options):
+        server_args = _server_args()
+        if engine_options.get("swap_in_block_size") is None:
+            engine_options["swap_in_block_size"] = configured_swap_in_block_size(server_args)
+        if engine_options.get("pd_decode") is None:
+            engine_options["pd_decode"] = is_pd_decode(server_args)
+        if engine_options.get("host_pool") is None:
+            engine_options["host_pool"] = build_host_pool(
+                token_to_kv_pool_allocator, host_to_device_ratio)
+        super().__init__(req_to_token_pool, token_to_kv_pool_allocator, top_k,
+                         device_buffer_size, device, tp_group, host_to_device_ratio,
+                         **engine_options)
+        self.on_drift = abort_for_drift
+        metrics.register_coordinator(self)
+
+
+def model_runner_max_token_pool_size(self):
+    """PROPERTY getter for ``ModelRunner.max_token_pool_size`` (0.5.13
+    ``model_runner.py:2204``): with HiSparse the longest request is bounded by
+    the host-backed logical space, not the GPU pool (0.5.23 MR:1516-1524).
+    Feeds ``TpModelWorker.max_req_len`` and the PD prefill budget."""
+    alloc = getattr(self, "token_to_kv_pool_allocator", None)
+    if getattr(self, "enable_hisparse", False) and hasattr(alloc, "logical_capacity"):
+        return alloc.logical_capacity
+    if self.is_hybrid_swa:
+        return self.full_max_total_num_tokens
+    return self.max_total_num_tokens

@@ -1,0 +1,360 @@
+"""What ``--enable-hisparse`` can run with, as pure checks on plain values.
+
+:class:`HiSparseServerArgs` holds the few server-argument values (and model
+facts) the rules need; :mod:`sglang_hisparse.adapter.args` fills it
+from SGLang's ``ServerArgs``. Nothing here imports SGLang.
+
+Every problem is reported, not just the first, in one
+:class:`HiSparseArgumentError` (a ValueError); each line names the flag, the
+value given and what is allowed.
+
+The pinned host memory check (:func:`host_memory_problem`) estimates, before
+any weight loads, what every local rank's host KV pool will pin and compares
+it with the node's available memory; its arithmetic is here, its inputs
+(:class:`HostMemoryInputs`) are read by the adapter.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+from sglang_hisparse.dsa_backends import (
+    HISPARSE_KV_CACHE_DTYPES,
+    canonical_kv_cache_dtype,
+    dsa_backend_for,
+)
+from sglang_hisparse.config import (
+    FLAG,
+    HiSparseConfig,
+    HiSparseConfigError,
+    parse_hisparse_config,
+)
+
+
+class ModelFamily(str, enum.Enum):
+    # DeepSeek Sparse Attention: DeepSeek-V3.2, GLM-5 (SGLang's is_deepseek_dsa).
+    DSA = "dsa"
+    # DeepSeek-V4 (SGLang's is_deepseek_v4): own attention backend and KV layout.
+    DEEPSEEK_V4 = "deepseek_v4"
+
+
+class HiSparseArgumentError(ValueError):
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        if len(problems) == 1:
+            message = problems[0]
+        else:
+            message = f"{len(problems)} problems with --enable-hisparse:\n" + "\n".join(
+                f"  - {p}" for p in problems
+            )
+        super().__init__(message)
+
+
+@dataclass(frozen=True)
+class HiSparseServerArgs:
+    model_architecture: str | None
+    model_family: ModelFamily | None  # None: HiSparse does not support the model
+    model_index_topk: int | None
+    hisparse_config: str | None  # the raw --hisparse-config text
+    disable_radix_cache: bool
+    enable_mixed_chunk: bool
+    pp_size: int
+    kv_cache_dtype: str
+    dsa_prefill_backend: str | None
+    dsa_decode_backend: str | None
+    speculative_algorithm: str | None  # None: no speculative decoding
+    disaggregation_mode: str  # --disaggregation-mode: "null", "prefill" or "decode"
+    # What sizes this node's pinned host pools (None: not estimated, no check).
+    host_memory: HostMemoryInputs | None = None
+
+
+def check_hisparse_server_args(args: HiSparseServerArgs) -> HiSparseConfig:
+    """Raise HiSparseArgumentError listing every problem; else return the resolved config."""
+    problems, config = find_problems(args)
+    if problems:
+        raise HiSparseArgumentError(problems)
+    assert config is not None  # only missing alongside a problem
+    return config
+
+
+def find_problems(args: HiSparseServerArgs) -> tuple[list[str], HiSparseConfig | None]:
+    """Every problem (empty if none) and the resolved config (None if unresolvable)."""
+    problems: list[str] = []
+    config: HiSparseConfig | None = None
+
+    if args.model_family is None:
+        problems.append(
+            "--enable-hisparse supports DSA models (DeepSeek-V3.2, GLM-5: "
+            "architectures with an index_topk) and DeepSeek-V4 only; got "
+            f"architecture {args.model_architecture!r}"
+        )
+    try:
+        parsed = parse_hisparse_config(args.hisparse_config)
+        if args.model_family is not None:
+            config = parsed.resolve(args.model_index_topk)
+    except HiSparseConfigError as exc:
+        problems.append(str(exc))
+
+    # The hot device buffer is private to one request; a radix cache would
+    # hand the same KV slots to several requests.
+    if not args.disable_radix_cache:
+        problems.append("--enable-hisparse requires --disable-radix-cache")
+    # A mixed batch (prefill chunk + decode) cannot take in the decode batch
+    # that HiSparse builds for requests leaving host staging.
+    if args.enable_mixed_chunk:
+        problems.append("--enable-hisparse does not support --enable-mixed-chunk")
+    if args.pp_size > 1:
+        problems.append(
+            f"--enable-hisparse does not support pipeline parallelism yet: "
+            f"--pp-size must be 1, got {args.pp_size}"
+        )
+    # 0.5.13's MTP/EAGLE steps allocate, write and read KV on paths that never
+    # reach the HiSparse data plane: draft tokens get no row mapping and verify
+    # reads the logical page table through the mapping, so a request whose KV
+    # is on host would attend to rows it does not own. Refused until the data
+    # plane has a multi-token swap-in (upstream wired one in 0.5.22).
+    if args.speculative_algorithm is not None:
+        problems.append(
+            f"--enable-hisparse does not support speculative decoding (MTP/EAGLE) yet: "
+            f"--speculative-algorithm must be unset, got {args.speculative_algorithm}"
+        )
+    # A PD decode node retracts under memory pressure; 0.5.13 retracts by
+    # snapshotting the device KV (get_cpu_copy), which the C4 allocator and
+    # pool cannot do (hot buffers hold a moving subset of the tokens), and
+    # keeping the KV on host instead is implemented for DSA rows only.
+    if args.model_family is ModelFamily.DEEPSEEK_V4 and args.disaggregation_mode == "decode":
+        problems.append(
+            "--enable-hisparse on DeepSeek-V4 does not support --disaggregation-mode "
+            "decode yet (a retracted request's C4 KV cannot be kept on host); supported: "
+            "DeepSeek-V4 without --disaggregation-mode decode, or --disaggregation-mode "
+            "decode with a DSA model (DeepSeek-V3.2, GLM-5)"
+        )
+    if args.model_family is ModelFamily.DSA:
+        problems += _dsa_kv_problems(args)
+    if config is not None and args.host_memory is not None:
+        problem = host_memory_problem(args.host_memory, config.host_to_device_ratio)
+        if problem:
+            problems.append(problem)
+    return problems, config
+
+
+def _dsa_kv_problems(args: HiSparseServerArgs) -> list[str]:
+    dtype = canonical_kv_cache_dtype(args.kv_cache_dtype)
+    backend = dsa_backend_for(dtype)
+    if backend is None:
+        # "auto" only gets here where SGLang did not resolve it (not CUDA/ROCm).
+        return [
+            f"--enable-hisparse on a DSA model needs --kv-cache-dtype in "
+            f"{list(HISPARSE_KV_CACHE_DTYPES)}, got {args.kv_cache_dtype}"
+        ]
+    problems = []
+    for stage, chosen in (
+        ("prefill", args.dsa_prefill_backend),
+        ("decode", args.dsa_decode_backend),
+    ):
+        if chosen is not None and chosen != backend:
+            problems.append(
+                f"--enable-hisparse with --kv-cache-dtype {dtype} needs "
+                f"--dsa-{stage}-backend {backend} (the backend that reads the "
+                f"HiSparse pool), got {chosen}"
+            )
+    return problems
+
+
+# --- pinned host memory -------------------------------------------------------
+#
+# Every TP rank builds its own host pool (the MLA latent is replicated across
+# TP ranks), pinned when the model runner builds the pools, after the weights
+# load. HiCache's own check there (HostKVCache.__init__) compares one rank's
+# request with what is free at that moment and names neither the key nor the
+# flag. This estimate runs with the server arguments instead, for all ranks of
+# the node at once. It may err low (the precise check still follows) but must
+# not err high, or a configuration that would run is refused.
+
+GIB = 1 << 30
+
+# Bytes per element of the DSA latent KV.
+_KV_ELEMENT_BYTES = {"bfloat16": 2, "fp8_e4m3": 1}
+# 0.5.13 DSATokenToKVPool: FP8 rows keep one float32 scale per 128 latent
+# values and the rope part in bf16 (calculate_mla_kv_cache_dim); the indexer
+# K cache (uint8) holds index_head_dim values plus one float32 scale per 128.
+DSA_QUANT_BLOCK = 128
+DSA_SCALE_BYTES = 4
+DSA_FP8_ROPE_BYTES = 2
+
+# What a GPU loses before the KV pool beyond the weights SGLang's profile
+# subtracts: CUDA context and NCCL buffers (the profile starts from free
+# memory, this estimate from capacity) and weights tensor parallelism does
+# not split. Generous on purpose, so that the estimate errs low.
+DEVICE_NON_KV_ALLOWANCE_BYTES = 4 * GIB
+
+
+def dsa_row_bytes(kv_lora_rank: int, qk_rope_head_dim: int, kv_cache_dtype: str) -> int | None:
+    """Bytes of one token's latent row in one layer, on the GPU and on host
+    (bf16: (512 + 64) x 2 = 1152; fp8_e4m3: 512 + 512 / 128 x 4 + 64 x 2 = 656).
+    None for a dtype HiSparse does not serve."""
+    dtype = canonical_kv_cache_dtype(kv_cache_dtype)
+    if dtype == "bfloat16":
+        return (kv_lora_rank + qk_rope_head_dim) * _KV_ELEMENT_BYTES[dtype]
+    if dtype == "fp8_e4m3":
+        return (kv_lora_rank + kv_lora_rank // DSA_QUANT_BLOCK * DSA_SCALE_BYTES
+                + qk_rope_head_dim * DSA_FP8_ROPE_BYTES)
+    return None
+
+
+def dsa_device_token_bytes(kv_lora_rank: int, qk_rope_head_dim: int, index_head_dim: int,
+                           kv_cache_dtype: str, layers: int) -> int | None:
+    """GPU bytes SGLang's pool configurator charges one token, all layers: the
+    latent (kv_lora_rank + qk_rope_head_dim elements of the KV dtype; it does
+    not count the FP8 scales) plus the indexer K cache, which stays on the
+    GPU only (0.5.13 DefaultPoolConfigurator._compute_cell_size)."""
+    dtype = canonical_kv_cache_dtype(kv_cache_dtype)
+    if dtype not in _KV_ELEMENT_BYTES:
+        return None
+    latent = (kv_lora_rank + qk_rope_head_dim) * _KV_ELEMENT_BYTES[dtype]
+    indexer = index_head_dim + index_head_dim // DSA_QUANT_BLOCK * DSA_SCALE_BYTES
+    return (latent + indexer) * layers
+
+
+@dataclass(frozen=True)
+class HostKVLayout:
+    """What one rank's host pool pins per token of its device KV pool."""
+
+    layers: int  # layers whose KV has a host copy on every rank
+    # Host bytes per device-pool token and layer: DSA a latent row; DeepSeek-V4
+    # a C4 page's bytes over the full tokens it covers.
+    host_bytes_per_token_per_layer: float
+    # DSA: the host pool holds host_to_device_ratio x the device pool's rows.
+    # DeepSeek-V4: it holds the C4 rows of every full-pool token whatever the
+    # ratio (the ratio shrinks the C4 device pool instead).
+    scales_with_ratio: bool
+    # GPU bytes SGLang's pool configurator charges a token (all layers); None:
+    # the device pool is not estimated from GPU memory (only --max-total-tokens).
+    device_token_bytes: int | None
+    # How the message names a host row (e.g. "1152 B rows x 61 layers").
+    description: str
+
+
+@dataclass(frozen=True)
+class HostMemoryInputs:
+    layout: HostKVLayout
+    ranks_per_node: int  # ranks of this server on this node, each with its own host pool
+    available_bytes: int | None  # the node's MemAvailable (None: unknown -> no check)
+    reserve_bytes: int  # kept free: HiCache's own check subtracts this from available memory
+    max_total_tokens: int | None  # --max-total-tokens: an upper bound of the device pool
+    gpu_memory_bytes: int | None  # one GPU's capacity (None: unknown)
+    mem_fraction_static: float | None
+    weight_bytes_per_rank: int | None  # None: unknown -> the pool is not estimated from GPU memory
+
+
+@dataclass(frozen=True)
+class HostMemoryEstimate:
+    pool_tokens: int  # device KV pool tokens per rank
+    pool_source: str  # where pool_tokens comes from, for messages
+    per_rank_bytes: int
+    ranks_per_node: int
+
+    @property
+    def node_bytes(self) -> int:
+        return self.per_rank_bytes * self.ranks_per_node
+
+
+def estimate_device_pool_tokens(inputs: HostMemoryInputs) -> tuple[int, str] | None:
+    """Tokens of one rank's device KV pool and how they were obtained; None if unknown.
+
+    Mirrors 0.5.13's sizing: (free GPU memory before loading x
+    mem_fraction_static - weights) / configurator bytes per token, capped by
+    --max-total-tokens. Capacity stands in for the free memory and
+    DEVICE_NON_KV_ALLOWANCE_BYTES for what loading takes besides the weights.
+    """
+    layout = inputs.layout
+    profiled = None
+    if (inputs.gpu_memory_bytes and inputs.mem_fraction_static
+            and inputs.weight_bytes_per_rank is not None and layout.device_token_bytes):
+        kv_bytes = (inputs.gpu_memory_bytes * inputs.mem_fraction_static
+                    - inputs.weight_bytes_per_rank - DEVICE_NON_KV_ALLOWANCE_BYTES)
+        profiled = max(0, int(kv_bytes // layout.device_token_bytes))
+        profiled_source = (
+            f"{profiled} tokens: ({_gib(inputs.gpu_memory_bytes)} GiB GPU x "
+            f"--mem-fraction-static {inputs.mem_fraction_static} - "
+            f"{_gib(inputs.weight_bytes_per_rank)} GiB weights per rank - "
+            f"{_gib(DEVICE_NON_KV_ALLOWANCE_BYTES)} GiB allowance) / "
+            f"{layout.device_token_bytes} B per token"
+        )
+    cap = inputs.max_total_tokens
+    if cap is not None and (profiled is None or cap <= profiled):
+        return cap, f"{cap} tokens: --max-total-tokens"
+    if profiled is None:
+        return None
+    return profiled, profiled_source
+
+
+def host_bytes_per_token(layout: HostKVLayout, host_to_device_ratio: int) -> float:
+    """Pinned bytes one device-pool token costs one rank (DSA: ratio x row bytes x layers)."""
+    ratio = host_to_device_ratio if layout.scales_with_ratio else 1
+    return ratio * layout.host_bytes_per_token_per_layer * layout.layers
+
+
+def host_bytes_per_rank(layout: HostKVLayout, pool_tokens: int, host_to_device_ratio: int) -> int:
+    """Pinned bytes of one rank's host pool for a device pool of ``pool_tokens``
+    (DSA: pool rows x host_to_device_ratio x row bytes x layers)."""
+    return math.ceil(pool_tokens * host_bytes_per_token(layout, host_to_device_ratio))
+
+
+def estimate_host_memory(inputs: HostMemoryInputs,
+                         host_to_device_ratio: int) -> HostMemoryEstimate | None:
+    """The pinned host memory of all local ranks' host pools; None if the
+    device pool cannot be estimated."""
+    pool = estimate_device_pool_tokens(inputs)
+    if pool is None:
+        return None
+    tokens, source = pool
+    return HostMemoryEstimate(
+        pool_tokens=tokens, pool_source=source,
+        per_rank_bytes=host_bytes_per_rank(inputs.layout, tokens, host_to_device_ratio),
+        ranks_per_node=inputs.ranks_per_node,
+    )
+
+
+def host_memory_problem(inputs: HostMemoryInputs, host_to_device_ratio: int) -> str | None:
+    """A message naming the figures and what to change, if the node's host
+    pools will not fit its available memory; None if they fit or cannot be
+    estimated."""
+    if inputs.available_bytes is None:
+        return None
+    estimate = estimate_host_memory(inputs, host_to_device_ratio)
+    if estimate is None:
+        return None
+    usable = inputs.available_bytes - inputs.reserve_bytes
+    if estimate.node_bytes == 0 or estimate.node_bytes <= usable:
+        return None
+    layout, ranks = inputs.layout, estimate.ranks_per_node
+    room = max(usable, 0)
+    fixes = []
+    if layout.scales_with_ratio:
+        lead = f"{FLAG}: host_to_device_ratio {host_to_device_ratio} needs"
+        pool = (f"its device KV pool ({estimate.pool_source}) x host_to_device_ratio "
+                f"{host_to_device_ratio} x {layout.description}")
+        max_ratio = int(room // (host_bytes_per_rank(layout, estimate.pool_tokens, 1) * ranks))
+        if max_ratio >= 1:
+            fixes.append(f"set host_to_device_ratio of {FLAG} to at most {max_ratio}")
+    else:
+        lead = "--enable-hisparse: the host KV pools need"
+        pool = f"{layout.description} of its device KV pool ({estimate.pool_source})"
+    max_tokens = int(room // (host_bytes_per_token(layout, host_to_device_ratio) * ranks))
+    fixes.append(f"cap the device pool with --max-total-tokens (at most {max_tokens} fit) "
+                 "or a lower --mem-fraction-static")
+    fix = "; or ".join(fixes)
+    return (
+        f"{lead} about {_gib(estimate.node_bytes)} GiB of pinned host memory on this node "
+        f"({_gib(estimate.per_rank_bytes)} GiB per rank x {ranks} ranks per node; each rank's "
+        f"host pool holds {pool}), but only {_gib(usable)} GiB is available (MemAvailable "
+        f"{_gib(inputs.available_bytes)} GiB less {_gib(inputs.reserve_bytes)} GiB kept free). "
+        f"{fix[0].upper()}{fix[1:]}."
+    )
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.1f}"

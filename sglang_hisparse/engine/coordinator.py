@@ -1,0 +1,750 @@
+"""The HiSparse coordinator: drives each request through its states.
+
+A request past prefill is admitted (``admit_request_into_staging``) and
+from then on has one :class:`~sglang_hisparse.engine.state.ReqState`; the
+diagram and the legal moves are in :mod:`sglang_hisparse.engine.state`.
+This class owns the mechanics every state shares: the device tables
+(:mod:`.tables`), the host rows, the copies and their stream order
+(:mod:`.streams`), hot buffers, write-through and the per-layer swap-in.
+The decisions that differ by deployment are policies over that state, each
+in its own module under :mod:`.policies`:
+
+* :class:`~.policies.residency.Residency` - keep a request's whole KV on the
+  GPU while rows allow, demote the largest residents when they run short;
+* :class:`~.policies.parking.Parking` - a staged request waits on host while
+  its hot buffer would take rows a waiting prompt needs;
+* :class:`~.policies.retain_on_retract.RetainOnRetract` - on a PD decode node
+  a retracted request keeps its KV on host and resumes from it.
+
+Per decode step: ``map_last_loc_to_buffer`` writes the previous token of
+every hot-buffer request through to host, grows short hot buffers and maps
+the new token to its slot; the attention backend then calls
+``swap_in_selected_pages`` per layer, which runs the fused swap-in kernel
+(and, with ``SGLANG_HISPARSE_CHECK=1``, the exactness check after it).
+
+The SGLang-facing side (the 0.5.13 constructor, server args, metrics, the
+host pool class) is :class:`sglang_hisparse.adapter.model_runner.HiSparseCoordinator`;
+nothing here imports SGLang. The 0.5.13 call sites this class serves are
+hash-pinned as DEPENDS entries of :mod:`sglang_hisparse.manifest`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable, List, NamedTuple, Optional
+
+import torch
+
+from sglang_hisparse.config import CHECK_ENV, PARKING_ENV, RESIDENCY_ENV, SKIP_IO_ENV
+from sglang_hisparse.engine.exactness import ExactnessCheck
+from sglang_hisparse.engine.policies.parking import Parking
+from sglang_hisparse.engine.policies.residency import Residency
+from sglang_hisparse.engine.policies.retain_on_retract import RetainOnRetract
+from sglang_hisparse.engine.state import ReqState, RequestTable
+from sglang_hisparse.engine.streams import RealRequestCount, Streams
+from sglang_hisparse.engine.tables import RequestTables
+
+logger = logging.getLogger(__name__)
+
+S = ReqState
+
+
+class HiSparseTokenStats(NamedTuple):
+    device_tokens: int
+    device_token_usage: float
+    host_tokens: int
+    host_token_usage: float
+
+
+@dataclass
+class _Staging:
+    event: object
+    req: object
+
+
+class AccountingDrift(RuntimeError):
+    """Admission let in work the pools cannot serve (a bug in the budget)."""
+
+
+def _swap_in_kernel():
+    from sglang_hisparse import kernels
+
+    return kernels.swap_in_selected
+
+
+class Coordinator:
+    """Per-request hot buffers, host backing and swap-in (see module docstring)."""
+
+    def __init__(
+        self,
+        req_to_token_pool,
+        token_to_kv_pool_allocator,
+        top_k: int,
+        device_buffer_size: int,
+        device,
+        tp_group,
+        host_to_device_ratio: int = 2,
+        *,
+        host_pool,
+        swap_in_fn: Optional[Callable] = None,
+        swap_in_block_size: Optional[int] = None,
+        residency: Optional[bool] = None,
+        parking: Optional[bool] = None,
+        pd_decode: bool = False,
+        exactness_check: Optional[bool] = None,
+    ):
+        if device_buffer_size < top_k:
+            raise ValueError(
+                f"device_buffer_size ({device_buffer_size}) must be >= top_k ({top_k})")
+        self.req_to_token_pool = req_to_token_pool
+        self.token_to_kv_pool_allocator = alloc = token_to_kv_pool_allocator
+        self.top_k = top_k
+        self.device_buffer_size = device_buffer_size
+        self.device = device
+        self.host_to_device_ratio = host_to_device_ratio
+        self.compress_ratio = getattr(alloc, "compress_ratio", 1)
+        self.is_dsv4_hisparse = self.compress_ratio != 1
+        self._swap_in_fn = swap_in_fn
+        self.swap_in_block_size = swap_in_block_size
+        # Timing probe: the swap-in resolves and publishes slots but skips its
+        # host->device copies (outputs wrong; ours vs ours-without-IO shows
+        # what the copies cost).
+        self.skip_io = os.environ.get(SKIP_IO_ENV) == "1"
+        if self.skip_io:
+            logger.warning("%s=1: swap-in host copies are skipped; outputs are invalid "
+                           "(for timing only)", SKIP_IO_ENV)
+
+        if self.is_dsv4_hisparse:
+            self.mem_pool_device = alloc.hisparse_kvcache  # the C4 physical pool
+            self.item_size_bytes = (self.mem_pool_device.kv_cache_total_dim
+                                    * self.mem_pool_device.store_dtype.itemsize)
+        else:
+            self.mem_pool_device = alloc.get_kvcache()
+            self.item_size_bytes = host_pool.item_bytes
+        self.mem_pool_host = host_pool
+        self.page_size = self.mem_pool_device.page_size
+        self.layer_num = self.mem_pool_device.layer_num
+        # Extra page: its first slot holds the newest token of a long request.
+        self.padded_buffer_size = device_buffer_size + self.page_size
+
+        max_reqs = req_to_token_pool.req_to_token.shape[0]
+        max_host_ctx = -(-req_to_token_pool.max_context_len // self.compress_ratio)
+        self.tables = t = RequestTables(
+            max_reqs=max_reqs, max_host_ctx=max_host_ctx, layers=self.layer_num,
+            top_k=top_k, buffer_size=device_buffer_size, page_size=self.page_size,
+            device=device)
+        # 0.5.13's attribute names (SGLang, tests and scripts read them).
+        self.req_to_device_buffer = t.req_to_device_buffer
+        self.req_device_buffer_size = t.req_device_buffer_size
+        self.req_to_host_pool = t.req_to_host_pool
+        self.req_to_host_pool_allocated_len = t.req_to_host_pool_allocated_len
+        self.req_device_buffer_tokens = t.slot_tokens
+        self.req_device_buffer_token_locs = t.slot_locs
+        self.lru_slots = t.lru
+        self.top_k_device_locs_buffer = t.top_k_out
+        self.raw_indices_buffer = t.raw_indices
+        self.req_resident = t.resident
+        self.num_real_reqs = RealRequestCount(device)
+
+        self.requests = RequestTable()
+        self.ack_staging_queue: List[_Staging] = []  # STAGING, in copy order
+        self.streams = Streams(device)
+        self.write_staging_stream = self.streams.staging
+        self.decode_backup_stream = self.streams.backup
+
+        self.tp_group = tp_group
+        self.tp_world_size = 1
+        if tp_group is not None and torch.distributed.is_initialized():
+            self.tp_world_size = torch.distributed.get_world_size(group=tp_group)
+
+        # Counters (decode log line, Prometheus). The kernel's tally of
+        # (selected tokens, misses) stays on the device: no sync on decode.
+        self._tally = torch.zeros(2, dtype=torch.int64, device=device)
+        self._tally_host = torch.zeros(2, dtype=torch.int64, pin_memory=self._tally.is_cuda)
+        self._tally_copy = None
+        self._tally_seen = [0, 0]
+        self.host_bytes_written = 0
+        self.host_bytes_read_staging = 0  # preloads (PD admission, parked joins)
+        self.host_wait_events = 0
+        self.demotions = 0
+        self.accounting_drifts = 0
+        # Called with (req, message) when admission accounting drifted and a
+        # request cannot be served; the adapter aborts it with that reason.
+        self.on_drift: Optional[Callable[[object, str], None]] = None
+
+        if residency is None:
+            residency = os.environ.get(RESIDENCY_ENV, "1") != "0"
+        if parking is None:
+            parking = os.environ.get(PARKING_ENV, "1") != "0"
+        # C4 rows are compressed per page of tokens: residency and parking
+        # are implemented for DSA rows only.
+        self.residency = Residency(self, enabled=bool(residency) and not self.is_dsv4_hisparse)
+        self.parking = Parking(self, enabled=bool(parking) and not self.is_dsv4_hisparse)
+        self.retain = RetainOnRetract(self, enabled=bool(pd_decode) and not self.is_dsv4_hisparse)
+        self.pd_decode = bool(pd_decode)
+
+        if exactness_check is None:
+            exactness_check = os.environ.get(CHECK_ENV) == "1"
+        self.exactness = ExactnessCheck(self) if exactness_check else None
+
+        if hasattr(alloc, "set_reservation_provider"):
+            alloc.set_reservation_provider(self._owed_tokens)
+            alloc.attach_host_pool(self.mem_pool_host, self.padded_buffer_size)
+            if self.residency.enabled:
+                alloc.set_residency(self.residency.reclaimable_rows, self.residency.reclaim_rows)
+            if self.retain.enabled:
+                alloc.set_retraction(self.retain.take_retained, self.retain.restore_retained)
+
+    # ------------------------------------------------------------ helpers
+    def _page_up(self, n: int) -> int:
+        return -(-int(n) // self.page_size) * self.page_size
+
+    def host_token_len(self, kv_allocated_len: int) -> int:
+        return kv_allocated_len // self.compress_ratio if self.is_dsv4_hisparse else kv_allocated_len
+
+    def _mapping(self) -> torch.Tensor:
+        alloc = self.token_to_kv_pool_allocator
+        m = getattr(alloc, "full_to_hisparse_device_index_mapping", None)
+        return m if m is not None else self.mem_pool_device.full_to_hisparse_device_index_mapping
+
+    def _logical_ids(self, idx: int, n: int) -> torch.Tensor:
+        """The first ``n`` tokens' ids in the mapping's space (compressed for V4)."""
+        logical = self.req_to_token_pool.req_to_token[idx, :n].to(torch.int64)
+        if self.is_dsv4_hisparse:
+            logical = self.mem_pool_device.translate_loc_from_full_to_compressed(logical)
+        return logical
+
+    def note_drift(self, req, what: str) -> str:
+        """Count and log a place where admission let in work the pools cannot
+        serve (a budget bug); the caller keeps the request safe."""
+        self.accounting_drifts += 1
+        msg = f"HiSparse: request {req.rid}: {what} (admission accounting drifted)"
+        logger.error(msg)
+        return msg
+
+    def _drift(self, req, what: str) -> None:
+        """Drift that leaves a running request unservable: stop that request
+        (the adapter aborts it with the message as its finish reason) and
+        keep the server running, where 0.5.13 would crash or corrupt KV."""
+        msg = self.note_drift(req, what)
+        if self.on_drift is None:
+            raise AccountingDrift(msg)
+        self.on_drift(req, msg)
+
+    def _owed_tokens(self):
+        """(physical, host) tokens live requests may still claim; see
+        :mod:`sglang_hisparse.engine.budget`. The scheduler asks several times
+        a step: one loop, state read once."""
+        phys = host = 0
+        P = self.padded_buffer_size
+        page_up, host_tokens = self._page_up, self.host_token_len
+        buffer_size, host_len = self.tables.buffer_size_np, self.tables.host_len_np
+        for idx, rec in self.requests.records():
+            state = rec.state
+            if state is S.RESIDENT or state is S.RESIDENT_JOINING:
+                held = rec.resident_rows
+            elif state is S.PARKED:
+                held = P  # claims rows only when it joins (checked then)
+            elif state is S.STAGING or state is S.HOST_WAIT:
+                # Rows it still holds from prefill, in this pool's units (C4 rows for V4).
+                held = page_up(host_tokens(rec.req.fill_len))
+            else:
+                held = int(buffer_size[idx])
+            if held < P:
+                phys += P - held
+            need = page_up(host_tokens(rec.req.kv_allocated_len)) - int(host_len[idx])
+            if need > 0:
+                host += need
+        return phys, host
+
+    def _buffer_size_for(self, num_tokens: int) -> int:
+        size = min(self._page_up(num_tokens), self.device_buffer_size)
+        return self.padded_buffer_size if size == self.device_buffer_size else size
+
+    def set_decode_producer_stream(self, stream) -> None:
+        self.streams.decode_producer = stream
+
+    @property
+    def decode_producer_stream(self):
+        return self.streams.decode_producer
+
+    def set_cpu_staging_delay(self, fn: Callable[[], int]) -> None:
+        """Tests: number of polls a CPU staging copy stays "in flight"."""
+        self.streams.cpu_event_delay = fn
+
+    # ------------------------------------------------------ policy entries
+    # (the allocator and SGLang's scheduler reach the policies through these)
+    def reclaimable_rows(self) -> int:
+        return self.residency.reclaimable_rows()
+
+    def reclaim_rows(self, need: int) -> int:
+        return self.residency.reclaim_rows(need)
+
+    def set_prefill_demand(self, provider) -> None:
+        self.parking.set_prefill_demand(provider)
+
+    @property
+    def prefill_demand_installed(self) -> bool:
+        return self.parking.installed
+
+    def prefill_pending(self) -> bool:
+        return self.parking.prefill_pending()
+
+    def parked_requests(self) -> List[object]:
+        return self.requests.in_state(S.PARKED)
+
+    def take_retained(self, num_tokens: int):
+        return self.retain.take_retained(num_tokens)
+
+    def restore_retained(self, kept, token_indices) -> None:
+        self.retain.restore_retained(kept, token_indices)
+
+    def release_retained(self, kept) -> None:
+        self.retain.release_retained(kept)
+
+    # -------------------------------------------------------------- stats
+    def get_token_stats(self) -> HiSparseTokenStats:
+        dev = self.token_to_kv_pool_allocator.hisparse_attn_allocator
+        dev_cap = dev.size
+        raw = getattr(dev, "raw_available_size", dev.available_size)()
+        dev_used = dev_cap - raw
+        host_cap = self.mem_pool_host.size
+        host_used = host_cap - self.mem_pool_host.available_size()
+        return HiSparseTokenStats(
+            dev_used, dev_used / dev_cap if dev_cap else 0.0,
+            host_used, host_used / host_cap if host_cap else 0.0,
+        )
+
+    def _read_tally(self) -> List[int]:
+        """The kernel's (selected, misses) counts without waiting on the GPU:
+        each call starts a copy to pinned memory and returns what the last
+        finished copy saw, so on a GPU the counts trail by one reading (a
+        decode log interval). A sync here would stall the scheduler and cost
+        the decode step it overlaps with."""
+        if not self._tally.is_cuda:
+            return self._tally.tolist()
+        if self._tally_copy is not None and self._tally_copy.query():
+            self._tally_seen = self._tally_host.tolist()
+            self._tally_copy = None
+        if self._tally_copy is None:
+            self._tally_host.copy_(self._tally, non_blocking=True)
+            self._tally_copy = torch.cuda.Event()
+            self._tally_copy.record()
+        return list(self._tally_seen)
+
+    def get_hisparse_stats(self) -> dict:
+        """Counters for the decode log line / Prometheus (no device sync; the
+        kernel's counts trail by one reading on a GPU)."""
+        active = self.requests.slots_in(S.HOT)
+        cap = int(self.req_device_buffer_size[active].sum()) if active else 0
+        selected, misses = self._read_tally()
+        stats = {
+            "hits": selected - misses,
+            "misses": misses,
+            "host_bytes_read": misses * self.item_size_bytes + self.host_bytes_read_staging,
+            "host_bytes_written": self.host_bytes_written,
+            "hot_buffer_tokens": cap,
+            "hot_buffer_occupancy": cap / (len(active) * self.padded_buffer_size) if active else 0.0,
+            "active_reqs": len(active),
+            "staging_reqs": self.requests.count(S.STAGING),
+            "host_wait_reqs": self.requests.count(S.HOST_WAIT),
+            "host_wait_events": self.host_wait_events,
+            "resident_reqs": self.requests.count(S.RESIDENT) + self.requests.count(S.RESIDENT_JOINING),
+            "parked_reqs": self.requests.count(S.PARKED),
+            "demotions": self.demotions,
+            "accounting_drifts": self.accounting_drifts,
+        }
+        if self.exactness is not None:
+            stats.update(self.exactness.read())
+        return stats
+
+    # ------------------------------------------------------------ staging
+    def admit_request_into_staging(self, req) -> None:
+        """A request finished prefill (0.5.13 ``batch_result_processor``)."""
+        idx = req.req_pool_idx
+        first = self.req_to_token_pool.req_to_token[idx, 0]
+        take = getattr(self.token_to_kv_pool_allocator, "take_prefill_claim", None)
+        if take is not None:
+            take(int(first))
+        if self.residency.admits(req):
+            return
+        self.requests.admit(req, S.HOST_WAIT)
+        if self.requests.count(S.HOST_WAIT) == 1 and self._start_staging(req):
+            return
+        self.host_wait_events += 1  # waits behind others, or for host pages
+
+    def _prefix_rows(self, idx: int, n: int):
+        """(host rows, device rows) of a request's first ``n`` tokens (C4 rows
+        for V4), host pages allocated as needed; None when the host pool has
+        too few pages."""
+        physical = self._mapping()[self._logical_ids(idx, n)]
+        host = self.mem_pool_host.try_alloc_paged_token_slots(
+            self.req_to_host_pool, self.req_to_host_pool_allocated_len, idx, 0,
+            int(physical.numel()))
+        return None if host is None else (host, physical)
+
+    def _start_staging(self, req) -> bool:
+        """HOST_WAIT -> STAGING when the host pool has the pages."""
+        rows = self._prefix_rows(req.req_pool_idx, req.fill_len)
+        if rows is None:
+            return False
+        host, physical = rows
+        start, done = self.streams.event(), self.streams.event()
+        if self.streams.gpu:
+            start.record()
+            with self.streams.use(self.write_staging_stream):
+                start.wait(self.write_staging_stream)
+                self.mem_pool_host.backup_from_device_all_layer(
+                    self.mem_pool_device, host, physical, io_backend="kernel")
+                done.record()
+                host.record_stream(self.write_staging_stream)
+                physical.record_stream(self.write_staging_stream)
+        else:
+            self.mem_pool_host.backup_from_device_all_layer(
+                self.mem_pool_device, host, physical, io_backend="kernel")
+        self.host_bytes_written += int(physical.numel()) * self.item_size_bytes * self.layer_num
+        self.requests.move(req, S.STAGING)
+        self.ack_staging_queue.append(_Staging(done, req))
+        return True
+
+    def staged_requests(self) -> List[object]:
+        """Requests past prefill that are not in the running batch yet: copying
+        their prefill to host, waiting for host pages, ready to join, or
+        parked on host."""
+        return self.requests.in_state(S.STAGING, S.HOST_WAIT, S.RESIDENT_JOINING,
+                                      S.HOT_JOINING, S.PARKED)
+
+    def has_ongoing_staging(self) -> bool:
+        r = self.requests
+        return bool(self.ack_staging_queue or r.count(S.HOST_WAIT) or r.count(S.RESIDENT_JOINING)
+                    or r.count(S.HOT_JOINING) or r.count(S.PARKED))
+
+    def collect_ready_reqs(self) -> List[object]:
+        """Requests that join the running batch now (0.5.13 ``scheduler.py:2445``)."""
+        r = self.requests
+        ready = r.in_state(S.RESIDENT_JOINING, S.HOT_JOINING)
+        for req in ready:
+            r.move(req, S.RESIDENT if r.state_of(req) is S.RESIDENT_JOINING else S.HOT)
+        for req in r.in_state(S.HOST_WAIT):
+            if not self._start_staging(req):
+                break
+        if not self.ack_staging_queue and not r.count(S.PARKED):
+            return ready
+        done = 0
+        for item in self.ack_staging_queue:
+            if not item.event.query():
+                break
+            done += 1
+        if self.tp_world_size > 1:
+            t = torch.tensor(done, dtype=torch.int32)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.tp_group)
+            done = int(t.item())
+        staged = [self.ack_staging_queue.pop(0).req for _ in range(done)]
+        return ready + self.parking.admit(staged, running_extra=len(ready))
+
+    # -------------------------------------------------------- hot buffers
+    def alloc_device_buffer(self, req) -> bool:
+        """Turn the request's mapped rows into its hot buffer (fresh rows for
+        what it lacks); False when the pool has no rows (accounting drift)."""
+        idx = req.req_pool_idx
+        if self.is_dsv4_hisparse:
+            n_logical, size = req.fill_len, self.padded_buffer_size
+        else:
+            n_logical = req.kv_allocated_len
+            size = self._buffer_size_for(n_logical)
+        rows = self.token_to_kv_pool_allocator.alloc_device_buffer(
+            self._logical_ids(idx, n_logical), size)
+        if rows is None:
+            return False
+        self.tables.set_hot_buffer(idx, rows.to(torch.int64))
+        return True
+
+    def join_staged(self, req) -> bool:
+        """STAGING -> HOT: prefill rows become the hot buffer."""
+        if not self.alloc_device_buffer(req):
+            return False
+        self.requests.move(req, S.HOT).skip_first_backup = True
+        return True
+
+    def join_from_host(self, req) -> bool:
+        """-> HOT for a request whose KV is all on host (PD decode, parked,
+        resumed): a short one is loaded whole, a long one starts empty."""
+        if not self.alloc_device_buffer(req):
+            return False
+        n = self.host_token_len(req.kv_allocated_len)
+        if n <= self.device_buffer_size:
+            self._preload_to_device_buffer(req, n)
+        else:
+            self.tables.forget_buffer_contents(req.req_pool_idx)
+        rec = (self.requests.move(req, S.HOT) if self.requests.holds(req)
+               else self.requests.admit(req, S.HOT))
+        rec.skip_first_backup = True
+        return True
+
+    def admit_request_direct(self, req) -> None:
+        """PD decode: KV already on host (req_to_host_pool filled by the prealloc)."""
+        if not self.join_from_host(req):
+            self._reset_slot(req.req_pool_idx)  # the host rows the prealloc gave it
+            self._drift(req, f"no physical rows for the hot buffer of {req.rid}")
+
+    def _preload_to_device_buffer(self, req, n: int) -> None:
+        idx = req.req_pool_idx
+        host = self.req_to_host_pool[idx, :n]
+        dev = self.req_to_device_buffer[idx, :n]
+        for layer in range(self.layer_num):
+            self.mem_pool_host.load_to_device_per_layer(
+                self.mem_pool_device, host, dev, layer, io_backend="kernel")
+        self.host_bytes_read_staging += n * self.item_size_bytes * self.layer_num
+
+    def _grow_device_buffers(self, seq_list, idx_list) -> None:
+        B = self.device_buffer_size
+        grows = []
+        records = self.requests
+        for seq, idx in zip(seq_list, idx_list):
+            rec = records.record(idx)
+            if rec is None or rec.state is not S.HOT:
+                continue
+            cap = int(self.tables.buffer_size_np[idx])
+            if seq <= B and seq > cap:
+                grows.append((idx, cap, self._buffer_size_for(seq)))
+        total = sum(new - old for _, old, new in grows)
+        if total <= 0:
+            return
+        rows = self.token_to_kv_pool_allocator.hisparse_attn_allocator.alloc(total)
+        if rows is None:
+            for idx, _, _ in grows:
+                self._drift(records.record(idx).req, f"hot-buffer growth of {total} rows failed")
+            return
+        off = 0
+        for idx, old, new in grows:
+            self.tables.grow_hot_buffer(idx, old, new, rows[off: off + new - old])
+            off += new - old
+
+    def map_last_loc_to_buffer(self, seq_lens, out_cache_loc, req_pool_indices,
+                               seq_lens_cpu, req_pool_indices_cpu) -> None:
+        """Called by ``ScheduleBatch.prepare_for_decode`` after ``seq_lens += 1``."""
+        if self.exactness is not None and not self.exactness.armed:
+            self.exactness.arm()  # graph capture is over: real requests from here on
+        if req_pool_indices_cpu is None:
+            req_pool_indices_cpu = req_pool_indices.cpu()
+        if seq_lens_cpu is None:
+            seq_lens_cpu = seq_lens.cpu()
+        seq_list, idx_list = seq_lens_cpu.tolist(), req_pool_indices_cpu.tolist()
+        residency = self.residency
+        if residency.count:
+            if residency.all_mid_page(seq_list, idx_list):
+                # Residents inside a page already mapped: nothing to do (the
+                # common step for a lone request; everything below would
+                # skip them one by one).
+                return
+            residency.grow(seq_list, idx_list, out_cache_loc)
+        self._eager_backup_previous_token(seq_lens, req_pool_indices, seq_list, idx_list)
+        mapping = self._mapping()
+        if self.is_dsv4_hisparse:
+            self._map_last_loc_dsv4(seq_lens, out_cache_loc, req_pool_indices)
+            return
+        self._grow_device_buffers(seq_list, idx_list)
+        B = self.device_buffer_size
+        keep = range(len(idx_list))
+        if residency.count:
+            # Residents got their own rows above; the rest use the newest slot.
+            keep = [i for i, idx in enumerate(idx_list) if not residency.holds(idx)]
+            if not keep:
+                return
+            sel = torch.tensor(keep, dtype=torch.int64, device=seq_lens.device)
+            seq_lens, out_cache_loc, req_pool_indices = (
+                seq_lens[sel], out_cache_loc[sel], req_pool_indices[sel])
+        if all(seq_list[i] - 1 > B for i in keep):
+            # Past the buffer the newest token always sits in slot B, whose
+            # row the kernel's table already holds (set when the hot buffer
+            # was made, or by the step that reached slot B: one token per
+            # request per call): only the mapping changes.
+            mapping[out_cache_loc] = self.tables.newest_slot_rows[req_pool_indices]
+            return
+        # Still inside the buffer (or entering slot B): the newest token's slot
+        # moves with it, so slot B's table entry follows.
+        pos = (seq_lens - 1).clamp(max=B)
+        slot_rows = self.req_to_device_buffer[req_pool_indices, pos]
+        self.req_device_buffer_token_locs[:, req_pool_indices, B] = slot_rows.to(torch.int32)
+        mapping[out_cache_loc] = slot_rows
+
+    def _map_last_loc_dsv4(self, seq_lens, out_cache_loc, req_pool_indices) -> None:
+        active = seq_lens % self.compress_ratio == 0
+        if not bool(active.any()):
+            return
+        rpi = req_pool_indices[active]
+        pos = (seq_lens[active] // self.compress_ratio - 1).clamp(max=self.device_buffer_size)
+        rows = self.req_to_device_buffer[rpi, pos]
+        self.req_device_buffer_token_locs[:, rpi, self.device_buffer_size] = rows.to(torch.int32)
+        compressed = self.token_to_kv_pool_allocator.get_last_loc_compressed(out_cache_loc[active])
+        self._mapping()[compressed] = rows
+
+    def _eager_backup_previous_token(self, seq_lens, req_pool_indices, seq_list,
+                                     idx_list) -> None:
+        """Write the previous (compressed) token of each hot-buffer request through to host."""
+        cr = self.compress_ratio
+        get, host_len = self.requests.record, self.tables.host_len_np
+        picks, positions = [], []
+        for i, (seq, idx) in enumerate(zip(seq_list, idx_list)):
+            rec = get(idx)
+            if rec is None or rec.state is S.RESIDENT:
+                continue  # nothing goes to host while resident
+            if rec.skip_first_backup:
+                rec.skip_first_backup = False
+                continue
+            if (seq - 1) % cr:
+                continue
+            pos = (seq - 1) // cr - 1
+            if pos >= host_len[idx]:  # first token of a host page
+                rows = self.mem_pool_host.try_alloc_paged_token_slots(
+                    self.req_to_host_pool, self.req_to_host_pool_allocated_len, idx, pos, 1)
+                if rows is None:
+                    self._drift(rec.req, "host pool exhausted during write-through")
+                    continue
+            picks.append(i)
+            positions.append(pos)
+        if not picks:
+            return
+        dev = seq_lens.device
+        if len(picks) == seq_lens.numel():
+            rpi = req_pool_indices
+        else:
+            rpi = req_pool_indices[torch.tensor(picks, dtype=torch.int64, device=dev)]
+        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+        dev_rows = self.req_to_device_buffer[rpi, pos.clamp(max=self.device_buffer_size)]
+        host = self.req_to_host_pool[rpi, pos]
+        self.streams.wait_for_pending_backup()
+        with self.streams.begin_write_through():
+            self.mem_pool_host.backup_from_device_all_layer(
+                self.mem_pool_device, host, dev_rows, io_backend="kernel")
+            self.streams.end_write_through(host, dev_rows)
+        self.host_bytes_written += len(picks) * self.item_size_bytes * self.layer_num
+
+    def wait_for_pending_backup(self) -> None:
+        """0.5.13 ``ModelRunner`` calls this before each forward."""
+        self.streams.wait_for_pending_backup()
+
+    # ------------------------------------------------------------ swap-in
+    def swap_in_selected_pages(self, req_pool_indices, compressed_seq_lens, top_k_result,
+                               layer_id: int) -> torch.Tensor:
+        """Physical rows of the selected tokens, loading misses from host (per layer)."""
+        bs = req_pool_indices.size(0)
+        out = self.top_k_device_locs_buffer[:bs]
+        fn = self._swap_in_fn or _swap_in_kernel()
+        extra = {} if self.swap_in_block_size is None else {"block_size": self.swap_in_block_size}
+        if self.skip_io:
+            extra["skip_io"] = True
+        if self.residency.enabled:
+            extra.update(resident=self.req_resident,
+                         req_to_token=self.req_to_token_pool.req_to_token,
+                         token_to_row=self._mapping())
+        host_kv, device_kv = self._host_rows(layer_id), self._device_rows(layer_id)
+        layout = "c4" if self.is_dsv4_hisparse else "rows"
+        fn(
+            top_k_tokens=top_k_result,
+            slot_tokens=self.req_device_buffer_tokens[layer_id],
+            slot_locs=self.req_device_buffer_token_locs[layer_id],
+            lru=self.lru_slots[layer_id],
+            host_locs=self.req_to_host_pool,
+            host_kv=host_kv,
+            device_kv=device_kv,
+            req_pool_indices=req_pool_indices,
+            seq_lens=compressed_seq_lens,
+            num_real_reqs=self.num_real_reqs.tensor,
+            out=out,
+            layout=layout,
+            tally=self._tally,
+            **extra,
+        )
+        if self.exactness is not None:
+            self.exactness.after_swap_in(
+                top_k_result, out, req_pool_indices, compressed_seq_lens, layer_id,
+                host_kv, device_kv, layout)
+        return out
+
+    def _host_rows(self, layer_id: int) -> torch.Tensor:
+        buf = self.mem_pool_host.kv_buffer[layer_id]
+        return buf.view(torch.uint8).reshape(buf.shape[0], -1)
+
+    def _device_rows(self, layer_id: int) -> torch.Tensor:
+        buf = self.mem_pool_device.kv_buffer[layer_id]
+        return buf.view(torch.uint8).reshape(buf.shape[0], -1)
+
+    # ------------------------------------------------------------ release
+    def _reset_slot(self, idx: int) -> None:
+        self.tables.reset(idx)
+        self.mem_pool_host.release_request_rows(
+            self.req_to_host_pool, self.req_to_host_pool_allocated_len, idx)
+
+    def free_prefill_rows(self, req) -> None:
+        """Free the device rows a request's prefill still holds (none once parked)."""
+        logical = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.fill_len]
+        logical = logical.to(torch.int64)
+        if self.is_dsv4_hisparse:
+            # free_hisparse takes full ids; the C4 rows are keyed by compressed ids.
+            compressed = self.mem_pool_device.translate_loc_from_full_to_compressed(logical)
+            self.token_to_kv_pool_allocator.free_compressed(compressed)
+        else:
+            self.token_to_kv_pool_allocator.free_hisparse(logical)
+
+    def abort_staging_request(self, req) -> None:
+        """Release a request that has not joined the batch (any state)."""
+        self.request_finished(req)
+
+    def retract_req(self, req) -> None:
+        """0.5.13 ``ScheduleBatch.retract_decode``: release, or keep the KV on
+        host on a PD decode node."""
+        if self.retain.retains(req):
+            self.retain.retract_to_host(req)
+        else:
+            self.request_finished(req)
+
+    def request_finished(self, req) -> None:
+        """Release everything a request holds, in whatever state it is. Safe
+        for requests the coordinator never saw (finished right after prefill)
+        and when called twice."""
+        idx = req.req_pool_idx
+        if idx is None:
+            return
+        state = self.requests.state_of(req)
+        if state is None:
+            return
+        if state is S.STAGING or state is S.HOST_WAIT:
+            if state is S.STAGING:
+                self.ack_staging_queue = [s for s in self.ack_staging_queue if s.req is not req]
+                if self.streams.gpu:
+                    self.write_staging_stream.synchronize()
+            self.free_prefill_rows(req)
+        elif state is S.PARKED:
+            pass  # holds no device row; its host rows go below
+        elif state.is_resident:
+            self.streams.before_release()
+            n = req.fill_len if state is S.RESIDENT_JOINING else req.kv_allocated_len
+            self.residency.unmap_page_tail(idx, n)
+            self.token_to_kv_pool_allocator.free_hisparse(self._logical_ids(idx, n))
+        else:  # HOT, HOT_JOINING
+            self.streams.before_release()
+            cap = int(self.req_device_buffer_size[idx])
+            if cap:
+                rows = self.req_to_device_buffer[idx, :cap]
+                self.token_to_kv_pool_allocator.free_hisparse_indices(torch.unique(rows[rows > 0]))
+            # The hot buffer's rows are freed above; drop the mapping to them.
+            self._mapping()[self._logical_ids(idx, req.kv_allocated_len)] = 0
+        self.requests.release(req)
+        self._reset_slot(idx)
+
+    def live_request_slots(self) -> List[int]:
+        return self.requests.slots()
+
+    def state_of(self, req) -> Optional[ReqState]:
+        """The request's state (None: not held)."""
+        return self.requests.state_of(req)
+
+    def destroy(self) -> None:
+        """Drain side streams, then release pinned host memory."""
+        self.streams.synchronize()
+        self.ack_staging_queue.clear()
+        self.requests.clear()
+        self.mem_pool_host.destroy()

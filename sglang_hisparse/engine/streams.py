@@ -1,0 +1,147 @@
+"""The streams HiSparse's copies run on, and the order rules between them.
+
+Three streams touch the KV of a request besides SGLang's forward stream:
+
+* **staging** (``Streams.staging``): the copy of a finished prefill to host.
+  It starts after an event recorded on the scheduler's current stream when
+  the request is admitted (the prefill's writes are ordered before it), and
+  ends with an event ``collect_ready_reqs`` polls; the request's prefill rows
+  are not reused before that event has fired.
+* **write-through** (``Streams.backup``): each decode step copies the
+  previous token of every hot-buffer request to host. It waits for the
+  scheduler's current stream and for SGLang's decode producer stream (the
+  forward that wrote that token may still run there, with the overlap
+  scheduler), and records an event; the next forward waits for that event
+  (``wait_for_pending_backup``, which 0.5.13's ``ModelRunner`` calls before
+  the forward), so a host row is complete before any swap-in reads it.
+* **forward** (SGLang's): swap-in and attention; the in-server exactness
+  check runs here right after each swap-in.
+
+Releasing rows (finish, abort, retract) and demoting a resident first make
+the current stream wait for the decode producer stream and for the pending
+write-through, so a row is never freed or overwritten while a copy or the
+in-flight step still uses it. On the CPU (tests) every copy is synchronous
+and the events are :class:`CpuEvent`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+
+
+class CpuEvent:
+    """CPU stand-in for a device event; ``pending`` polls let tests keep a
+    staging copy "in flight" for a while."""
+
+    def __init__(self, pending: int = 0):
+        self.pending = pending
+
+    def record(self, stream=None):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def query(self) -> bool:
+        if self.pending > 0:
+            self.pending -= 1
+            return False
+        return True
+
+    def synchronize(self):
+        self.pending = 0
+
+
+class Streams:
+    """Side streams and events on CUDA; synchronous no-ops elsewhere."""
+
+    def __init__(self, device):
+        self.gpu = str(device).startswith("cuda") and torch.cuda.is_available()
+        self.cpu_event_delay: Callable[[], int] = lambda: 0
+        self.staging = torch.cuda.Stream() if self.gpu else None
+        self.backup = torch.cuda.Stream() if self.gpu else None
+        # SGLang's stream that runs the decode forward (overlap scheduler);
+        # None: the current stream.
+        self.decode_producer = None
+        self._backup_done = None  # event of the last write-through
+
+    def event(self):
+        return torch.cuda.Event() if self.gpu else CpuEvent(self.cpu_event_delay())
+
+    def use(self, stream):
+        return torch.cuda.stream(stream) if self.gpu else contextlib.nullcontext()
+
+    def after_decode_producer(self) -> None:
+        """Order the current stream after the in-flight decode step."""
+        if self.gpu and self.decode_producer is not None:
+            torch.cuda.current_stream().wait_stream(self.decode_producer)
+
+    def begin_write_through(self):
+        """Context for a write-through copy on the backup stream (CUDA), in
+        order after the current and decode producer streams."""
+        if not self.gpu:
+            return contextlib.nullcontext()
+        cur = torch.cuda.current_stream()
+        ctx = torch.cuda.stream(self.backup)
+        self.backup.wait_stream(cur)
+        if self.decode_producer is not None:
+            self.backup.wait_stream(self.decode_producer)
+        return ctx
+
+    def end_write_through(self, *tensors) -> None:
+        """Call inside :meth:`begin_write_through`: record the completion event."""
+        if not self.gpu:
+            return
+        self._backup_done = torch.cuda.Event()
+        self._backup_done.record()
+        for t in tensors:
+            t.record_stream(self.backup)
+
+    def wait_for_pending_backup(self) -> None:
+        """Make the current stream wait for the last write-through."""
+        if self._backup_done is not None:
+            self._backup_done.wait(torch.cuda.current_stream())
+            self._backup_done = None
+
+    def before_release(self) -> None:
+        """Rows may be freed once nothing in flight reads or writes them."""
+        if self.gpu:
+            self.after_decode_producer()
+            self.wait_for_pending_backup()
+
+    def synchronize(self) -> None:
+        if self.gpu:
+            self.staging.synchronize()
+            self.backup.synchronize()
+
+
+class RealRequestCount:
+    """The int32 [1] device scalar the swap-in kernel reads as the number of
+    real (not CUDA-graph padding) rows, behind SGLang's ``num_real_reqs.fill_(n)``.
+
+    SGLang 0.5.13 fills it twice per decode step: in ``ModelRunner.forward``
+    and in the graph runner's ``replay_prepare``. Every fill is written, even
+    one with the value the tensor already holds: an earlier version skipped
+    those, and on the H200 the in-server exactness check then caught padding
+    rows being resolved as real while the batch grew (the skipped second
+    fill is the one ordered on the stream that replays the graph, so the
+    replay could read the previous step's count). A count that trails can
+    also hide a real row, whose selection would then resolve to nothing.
+    (A behaviour change from 0.5.13, where ``num_real_reqs`` is the tensor
+    itself: ours is this object; SGLang only calls ``fill_`` on it.)
+    """
+
+    def __init__(self, device):
+        self.tensor = torch.zeros(1, dtype=torch.int32, device=device)
+        self._value = 0
+
+    def fill_(self, value) -> torch.Tensor:
+        self._value = int(value)
+        self.tensor.fill_(self._value)
+        return self.tensor
+
+    def item(self) -> int:
+        return self._value
