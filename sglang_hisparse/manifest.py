@@ -374,6 +374,11 @@ HOOKS: tuple[Entry, ...] = (
             "num_real_reqs is a RealRequestCount object, not a tensor: fill_(n) skips "
             "a write that would not change it, .tensor is the int32 [1] the kernel "
             "reads; SGLang code that uses it as a tensor beyond fill_ breaks",
+            "admission accounting drift never kills the scheduler: a staged request "
+            "without rows parks, a running one that cannot be served is finished "
+            "with an abort naming the cause; each is logged and counted",
+            "SGLANG_HISPARSE_CHECK=1: every swap-in's rows are checked against the "
+            "authoritative KV (engine/exactness.py)",
             "swap-in runs sglang_hisparse.kernels (our JIT kernel; the torch "
             "reference on CPU), never 0.5.13's jit_kernel.hisparse",
             "hit/miss/byte counters for the decode log line and Prometheus; destroy()",

@@ -43,7 +43,7 @@ from sglang_hisparse.engine.policies.parking import Parking
 from sglang_hisparse.engine.policies.residency import Residency
 from sglang_hisparse.engine.policies.retain_on_retract import RetainOnRetract
 from sglang_hisparse.engine.state import ReqState, RequestTable
-from sglang_hisparse.engine.streams import RealRequestCount, Streams
+from sglang_hisparse.engine.streams import RealRequestCount, Streams, TrailingReader
 from sglang_hisparse.engine.tables import RequestTables
 
 logger = logging.getLogger(__name__)
@@ -162,9 +162,7 @@ class Coordinator:
         # Counters (decode log line, Prometheus). The kernel's tally of
         # (selected tokens, misses) stays on the device: no sync on decode.
         self._tally = torch.zeros(2, dtype=torch.int64, device=device)
-        self._tally_host = torch.zeros(2, dtype=torch.int64, pin_memory=self._tally.is_cuda)
-        self._tally_copy = None
-        self._tally_seen = [0, 0]
+        self._tally_reader = TrailingReader(self._tally)
         self.host_bytes_written = 0
         self.host_bytes_read_staging = 0  # preloads (PD admission, parked joins)
         self.host_wait_events = 0
@@ -317,29 +315,12 @@ class Coordinator:
             host_used, host_used / host_cap if host_cap else 0.0,
         )
 
-    def _read_tally(self) -> List[int]:
-        """The kernel's (selected, misses) counts without waiting on the GPU:
-        each call starts a copy to pinned memory and returns what the last
-        finished copy saw, so on a GPU the counts trail by one reading (a
-        decode log interval). A sync here would stall the scheduler and cost
-        the decode step it overlaps with."""
-        if not self._tally.is_cuda:
-            return self._tally.tolist()
-        if self._tally_copy is not None and self._tally_copy.query():
-            self._tally_seen = self._tally_host.tolist()
-            self._tally_copy = None
-        if self._tally_copy is None:
-            self._tally_host.copy_(self._tally, non_blocking=True)
-            self._tally_copy = torch.cuda.Event()
-            self._tally_copy.record()
-        return list(self._tally_seen)
-
     def get_hisparse_stats(self) -> dict:
         """Counters for the decode log line / Prometheus (no device sync; the
         kernel's counts trail by one reading on a GPU)."""
         active = self.requests.slots_in(S.HOT)
         cap = int(self.req_device_buffer_size[active].sum()) if active else 0
-        selected, misses = self._read_tally()
+        selected, misses = self._tally_reader.read()
         stats = {
             "hits": selected - misses,
             "misses": misses,

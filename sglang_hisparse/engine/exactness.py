@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 
-import torch
+from sglang_hisparse.engine.streams import TrailingReader
 
 logger = logging.getLogger(__name__)
 
@@ -37,10 +37,7 @@ class ExactnessCheck:
         self._kernels = exactness
         self.coord = coord
         self.counters, self.first = exactness.new_check_state(coord.device)
-        gpu = self.counters.is_cuda
-        self._host = torch.zeros(2, dtype=torch.int64, pin_memory=gpu)
-        self._copy = None
-        self._seen = [0, 0]
+        self._reader = TrailingReader(self.counters)
         self.first_mismatch = None  # dict once reported
         # SGLang's CUDA-graph capture runs the forward (eagerly, to warm up)
         # on dummy rows it declares real (num_real_reqs = the capture size,
@@ -55,9 +52,9 @@ class ExactnessCheck:
 
     def arm(self) -> None:
         """Zero the counters: from now on every checked row is a request's."""
-        self.counters.zero_()
+        self._reader.reset()
         self.first.zero_()
-        self._copy, self._seen, self.first_mismatch = None, [0, 0], None
+        self.first_mismatch = None
         self.armed = True
 
     def after_swap_in(self, top_k_tokens, out, req_pool_indices, seq_lens, layer_id,
@@ -80,17 +77,7 @@ class ExactnessCheck:
     def read(self) -> dict:
         """``exact_checked`` / ``exact_mismatches`` (trailing by one reading
         on a GPU); logs the first mismatch once."""
-        if not self.counters.is_cuda:
-            self._seen = self.counters.tolist()
-        else:
-            if self._copy is not None and self._copy.query():
-                self._seen = self._host.tolist()
-                self._copy = None
-            if self._copy is None:
-                self._host.copy_(self.counters, non_blocking=True)
-                self._copy = torch.cuda.Event()
-                self._copy.record()
-        checked, mismatches = self._seen
+        checked, mismatches = self._reader.read()
         if mismatches and self.first_mismatch is None:
             self.first_mismatch = self._kernels.decode_first_mismatch(self.first.tolist())
             logger.error("HiSparse exactness check: first mismatch %s (%d of %d entries "

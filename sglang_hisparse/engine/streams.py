@@ -118,20 +118,50 @@ class Streams:
             self.backup.synchronize()
 
 
+class TrailingReader:
+    """Reads a small device tensor of counters without waiting on the GPU.
+
+    Each :meth:`read` starts a copy to pinned memory and returns what the
+    last finished copy saw, so on a GPU the values trail by one reading (one
+    decode log interval). A sync here would stall the scheduler and cost the
+    decode step it overlaps with. On the CPU it reads the tensor itself.
+    """
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+        self._host = torch.zeros_like(tensor, device="cpu", pin_memory=tensor.is_cuda)
+        self._copy = None  # event of the copy in flight
+        self._seen = [0] * tensor.numel()
+
+    def read(self) -> list:
+        if not self.tensor.is_cuda:
+            return self.tensor.tolist()
+        if self._copy is not None and self._copy.query():
+            self._seen = self._host.tolist()
+            self._copy = None
+        if self._copy is None:
+            self._host.copy_(self.tensor, non_blocking=True)
+            self._copy = torch.cuda.Event()
+            self._copy.record()
+        return list(self._seen)
+
+    def reset(self) -> None:
+        """Zero the counters (in stream order) and forget readings in flight."""
+        self.tensor.zero_()
+        self._copy, self._seen = None, [0] * self.tensor.numel()
+
+
 class RealRequestCount:
     """The int32 [1] device scalar the swap-in kernel reads as the number of
     real (not CUDA-graph padding) rows, behind SGLang's ``num_real_reqs.fill_(n)``.
 
-    SGLang 0.5.13 fills it twice per decode step: in ``ModelRunner.forward``
-    and in the graph runner's ``replay_prepare``. Every fill is written, even
-    one with the value the tensor already holds: an earlier version skipped
-    those, and on the H200 the in-server exactness check then caught padding
-    rows being resolved as real while the batch grew (the skipped second
-    fill is the one ordered on the stream that replays the graph, so the
-    replay could read the previous step's count). A count that trails can
-    also hide a real row, whose selection would then resolve to nothing.
-    (A behaviour change from 0.5.13, where ``num_real_reqs`` is the tensor
-    itself: ours is this object; SGLang only calls ``fill_`` on it.)
+    SGLang 0.5.13 fills it twice per decode step (``ModelRunner.forward`` and
+    the graph runner's ``replay_prepare``, one after the other on the forward
+    stream), almost always with the value it already holds; each fill is a
+    kernel launch on the scheduler's critical path. Only this object writes
+    the tensor, so a fill that would not change it is skipped. (A behaviour
+    change from 0.5.13, where ``num_real_reqs`` is the tensor itself: ours is
+    this object; SGLang only calls ``fill_`` on it, a DEPENDS entry each.)
     """
 
     def __init__(self, device):
@@ -139,8 +169,10 @@ class RealRequestCount:
         self._value = 0
 
     def fill_(self, value) -> torch.Tensor:
-        self._value = int(value)
-        self.tensor.fill_(self._value)
+        value = int(value)
+        if value != self._value:
+            self.tensor.fill_(value)
+            self._value = value
         return self.tensor
 
     def item(self) -> int:
