@@ -49,6 +49,8 @@ from sglang_hisparse.engine.tables import RequestTables
 logger = logging.getLogger(__name__)
 
 S = ReqState
+_RESIDENT, _RESIDENT_JOINING, _PARKED = S.RESIDENT, S.RESIDENT_JOINING, S.PARKED
+_STAGING, _HOST_WAIT, _HOT = S.STAGING, S.HOST_WAIT, S.HOT
 
 
 class HiSparseTokenStats(NamedTuple):
@@ -239,13 +241,16 @@ class Coordinator:
         P = self.padded_buffer_size
         page_up, host_tokens = self._page_up, self.host_token_len
         buffer_size, host_len = self.tables.buffer_size_np, self.tables.host_len_np
+        # States as locals: an enum member read is an attribute lookup a time.
+        resident, joining, parked = _RESIDENT, _RESIDENT_JOINING, _PARKED
+        staging, host_wait = _STAGING, _HOST_WAIT
         for idx, rec in self.requests.records():
             state = rec.state
-            if state is S.RESIDENT or state is S.RESIDENT_JOINING:
+            if state is resident or state is joining:
                 held = rec.resident_rows
-            elif state is S.PARKED:
+            elif state is parked:
                 held = P  # claims rows only when it joins (checked then)
-            elif state is S.STAGING or state is S.HOST_WAIT:
+            elif state is staging or state is host_wait:
                 # Rows it still holds from prefill, in this pool's units (C4 rows for V4).
                 held = page_up(host_tokens(rec.req.fill_len))
             else:
@@ -485,7 +490,7 @@ class Coordinator:
         records = self.requests
         for seq, idx in zip(seq_list, idx_list):
             rec = records.record(idx)
-            if rec is None or rec.state is not S.HOT:
+            if rec is None or rec.state is not _HOT:
                 continue
             cap = int(self.tables.buffer_size_np[idx])
             if seq <= B and seq > cap:
@@ -570,7 +575,7 @@ class Coordinator:
         picks, positions = [], []
         for i, (seq, idx) in enumerate(zip(seq_list, idx_list)):
             rec = get(idx)
-            if rec is None or rec.state is S.RESIDENT:
+            if rec is None or rec.state is _RESIDENT:
                 continue  # nothing goes to host while resident
             if rec.skip_first_backup:
                 rec.skip_first_backup = False

@@ -52,6 +52,11 @@ class ReqState(enum.Enum):
     # Decoding from a hot buffer; the authoritative KV is on host.
     HOT = "hot"
 
+    # Members are singletons, compared by identity: hash them by identity too,
+    # in C (Enum's own __hash__ is Python code, and the table hashes a state
+    # on every count the scheduler's per-step calls make).
+    __hash__ = object.__hash__
+
     @property
     def outside_batch(self) -> bool:
         """Past prefill but not in the running batch (what ``staged_requests``

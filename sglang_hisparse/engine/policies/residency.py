@@ -34,6 +34,7 @@ import torch
 from sglang_hisparse.engine.state import ReqState
 
 S = ReqState
+_RESIDENT, _RESIDENT_JOINING = S.RESIDENT, S.RESIDENT_JOINING  # locals for per-step reads
 
 
 class Residency:
@@ -45,7 +46,7 @@ class Residency:
     @property
     def count(self) -> int:
         r = self.coord.requests
-        return r.count(S.RESIDENT) + r.count(S.RESIDENT_JOINING)
+        return r.count(_RESIDENT) + r.count(_RESIDENT_JOINING)
 
     def holds(self, idx: int) -> bool:
         rec = self.coord.requests.record(idx)
@@ -59,7 +60,7 @@ class Residency:
         page already mapped (the step needs no work from us). A lone
         request's every step asks this: plain lookups, no helper calls."""
         ps, get = self.coord.page_size, self.coord.requests.record
-        resident, joining = S.RESIDENT, S.RESIDENT_JOINING
+        resident, joining = _RESIDENT, _RESIDENT_JOINING
         for seq, idx in zip(seq_list, idx_list):
             rec = get(idx)
             if rec is None or (seq - 1) % ps == 0:
@@ -71,8 +72,14 @@ class Residency:
 
     def reclaimable_rows(self) -> int:
         """Rows demotion would give back (a demoted request keeps a hot buffer)."""
+        # Asked with every available_size(): one flat walk, no helper calls.
         P = self.coord.padded_buffer_size
-        return sum(max(0, rec.resident_rows - P) for _, rec in self._residents())
+        total = 0
+        for _, rec in self.coord.requests.records():
+            extra = rec.resident_rows - P  # 0 rows unless resident
+            if extra > 0:
+                total += extra
+        return total
 
     # ---------------------------------------------------------- admission
     def admits(self, req) -> bool:
