@@ -51,6 +51,9 @@ logger = logging.getLogger(__name__)
 S = ReqState
 _RESIDENT, _RESIDENT_JOINING, _PARKED = S.RESIDENT, S.RESIDENT_JOINING, S.PARKED
 _STAGING, _HOST_WAIT, _HOT = S.STAGING, S.HOST_WAIT, S.HOT
+# Past prefill, not in the running batch: what staged_requests lists and
+# has_ongoing_staging asks about (an abort must still reach these).
+_NOT_IN_BATCH = (S.STAGING, S.HOST_WAIT, S.RESIDENT_JOINING, S.HOT_JOINING, S.PARKED)
 
 
 class HiSparseTokenStats(NamedTuple):
@@ -399,13 +402,10 @@ class Coordinator:
         """Requests past prefill that are not in the running batch yet: copying
         their prefill to host, waiting for host pages, ready to join, or
         parked on host."""
-        return self.requests.in_state(S.STAGING, S.HOST_WAIT, S.RESIDENT_JOINING,
-                                      S.HOT_JOINING, S.PARKED)
+        return self.requests.in_state(*_NOT_IN_BATCH)
 
     def has_ongoing_staging(self) -> bool:
-        r = self.requests
-        return bool(self.ack_staging_queue or r.count(S.HOST_WAIT) or r.count(S.RESIDENT_JOINING)
-                    or r.count(S.HOT_JOINING) or r.count(S.PARKED))
+        return any(map(self.requests.count, _NOT_IN_BATCH))
 
     def collect_ready_reqs(self) -> List[object]:
         """Requests that join the running batch now (0.5.13 ``scheduler.py:2445``)."""

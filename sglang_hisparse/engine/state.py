@@ -64,18 +64,8 @@ class ReqState(enum.Enum):
         return self in _OUTSIDE_BATCH
 
     @property
-    def holds_prefill_rows(self) -> bool:
-        """Still holds the rows its prefill wrote (nothing turned into a hot
-        buffer yet)."""
-        return self in (ReqState.HOST_WAIT, ReqState.STAGING)
-
-    @property
     def is_resident(self) -> bool:
         return self in (ReqState.RESIDENT, ReqState.RESIDENT_JOINING)
-
-    @property
-    def has_hot_buffer(self) -> bool:
-        return self in (ReqState.HOT, ReqState.HOT_JOINING)
 
 
 _OUTSIDE_BATCH = frozenset(
