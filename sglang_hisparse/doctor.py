@@ -27,6 +27,7 @@ import textwrap
 from pathlib import Path
 
 from sglang_hisparse import SUPPORTED_SGLANG_VERSIONS, __version__
+from sglang_hisparse.arg_rules import dsa_row_bytes
 from sglang_hisparse.manifest import DEPENDS, ENTRIES, HOOKS, Entry, Kind
 from sglang_hisparse.pinned_source import installed_sglang_root, sglang_version
 
@@ -148,19 +149,17 @@ def run_doctor(root: Path | None, out=sys.stdout, verbose: bool = False) -> int:
 # swap-in kernel's row size are that width.
 KV_LORA_RANK = 512
 QK_ROPE_HEAD_DIM = 64
-FP8_QUANT_BLOCK = 128
 KV_CACHE_DTYPES = ("bfloat16", "fp8_e4m3")
 
 
 def row_bytes(kv_cache_dtype: str) -> int:
-    """Bytes per token row of the DSA KV pool (bf16: 1152, fp8_e4m3: 656)."""
-    if kv_cache_dtype == "bfloat16":
-        return (KV_LORA_RANK + QK_ROPE_HEAD_DIM) * 2
-    if kv_cache_dtype == "fp8_e4m3":
-        return KV_LORA_RANK + KV_LORA_RANK // FP8_QUANT_BLOCK * 4 + QK_ROPE_HEAD_DIM * 2
-    raise ValueError(
-        f"--kv-cache-dtype must be one of {list(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}"
-    )
+    """Bytes per token row of the DSA KV pool (bf16: 1152, fp8_e4m3: 656),
+    by the same formula the startup host-memory check uses."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"--kv-cache-dtype must be one of {list(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}"
+        )
+    return dsa_row_bytes(KV_LORA_RANK, QK_ROPE_HEAD_DIM, kv_cache_dtype)
 
 
 # DeepSeek-V3.2's index_topk, for a --kernel-config that names no top_k
