@@ -443,6 +443,21 @@ def same_state(world: World, ours_fn, up_fn, out_a, out_b) -> str:
     return "ok" if not bad else "MISMATCH " + ",".join(bad)
 
 
+def trace_miss_rates(spec: str) -> int:
+    """The calibration cross-check: the swap-in kernel's own tally on the
+    synthetic trace (100 warm-up and 200 counted decode steps of one request,
+    hot buffer HOT) against the torch reference on the CPU."""
+    from sglang_hisparse.kernels import synthetic_top_k as st
+
+    trace = st.parse(spec)
+    log(f"synthetic trace {trace}: top-k {TOP_K}, hot buffer {HOT}")
+    for seq_len in (16384, 32768, 65536):
+        rates = [st.simulate_miss_rate(trace, seq_len=seq_len, hot_buffer_size=HOT, top_k=TOP_K,
+                                       steps=200, warmup=100, device=d) for d in ("cuda", "cpu")]
+        log(f"  {seq_len:>6} tokens: kernel miss rate {rates[0]:.4f}, reference {rates[1]:.4f}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="batch {1, 32} x miss {0, 13, 100}, fewer iterations")
@@ -457,11 +472,17 @@ def main(argv=None) -> int:
     ap.add_argument("--breakdown", action="store_true",
                     help="also print where our call's time goes: phase stamps, split and "
                          "block-size variants, no-resolve floors")
+    ap.add_argument("--trace", metavar="SPEC", nargs="?", const="calibrated",
+                    help="only print the miss rate a synthetic top-k trace (SGLANG_HISPARSE_SYNTHETIC_TOPK "
+                         "spec, default calibrated) gets from the kernel at 16K/32K/64K contexts, "
+                         "beside the torch reference's")
     args = ap.parse_args(argv)
 
     if not torch.cuda.is_available():
         log("bench_kernels: no CUDA device visible; nothing to measure")
         return 2
+    if args.trace:
+        return trace_miss_rates(args.trace)
     os.environ.setdefault("CUDA_HOME", "/usr/local/cuda")
     batches = [1, 32] if args.quick else [1, 8, 32, 64]
     misses = [0.0, 0.13, 1.0] if args.quick else [0.0, 0.13, 0.40, 1.0]

@@ -37,6 +37,10 @@ Workloads:
   capacity    16 x 16000-token prompts x 128 output tokens sent at once,
               --max-total-tokens 40000
   lone        one 16000-token prompt, 256 output tokens
+  decodebound 16 x 32000-token prompts x 1024 output tokens sent at once,
+              --max-total-tokens 72000 (base holds two of them, ours a hot
+              buffer each): decode dominates
+  mixed       8 x 32000 and 16 x 4000 tokens x 512 output tokens, same flags
   deep        4 concurrent 12000-token prompts x 64 output tokens,
               --max-total-tokens 60000, CUDA graphs up to batch 4: sized for
               the 61-layer DeepSeek-V3.2-geometry model (31 GB of bf16
@@ -93,7 +97,7 @@ margin exceeds --margin; such steps must agree within --tol.
         --warmup 0 --server-args "--mem-fraction-static 0.45" \
         --hisparse-config '{"top_k": 2048, "device_buffer_size": 4096, "host_to_device_ratio": 2}'
 
-scripts/gpu_foundation.sh runs these as stages of one device command.
+scripts/gpu_stages.sh runs these as stages of one device command.
 """
 
 from __future__ import annotations
@@ -116,6 +120,9 @@ from pathlib import Path
 
 HS_CONFIG = {"top_k": 2048, "device_buffer_size": 4096, "host_to_device_ratio": 8}
 
+# Server flags of the 32K workloads (one launch serves both).
+_LONG = ["--max-total-tokens", "72000", "--context-length", "40960"]
+
 WORKLOADS = {
     # name: (list of prompt lengths sent together in groups, output tokens, server extra args)
     "smoke": ([[600], [3000], [9000], [7000, 8500]], 24, []),
@@ -126,6 +133,12 @@ WORKLOADS = {
     # The 61-layer V3.2-geometry model: 4 x 12064 tokens overflow 3 hot
     # buffers of 4160 rows each; only 4 requests, so no larger graphs.
     "deep": ([[12000] * 4], 64, ["--max-total-tokens", "60000", "--cuda-graph-max-bs", "4"]),
+    # What HiSparse is for, at fixed HBM: 72000 device rows hold two 32K
+    # requests in base; ours holds a hot buffer (4160 rows) per request.
+    # Outputs long enough that decode dominates the wall time.
+    "decodebound": ([[32000] * 16], 1024, _LONG),
+    # The same HBM, long and short requests together.
+    "mixed": ([[32000] * 8 + [4000] * 16], 512, _LONG),
 }
 
 CONFIGS = ("base", "native", "ours", "nopark", "noio", "stock", "ref")
@@ -133,6 +146,7 @@ CONFIGS = ("base", "native", "ours", "nopark", "noio", "stock", "ref")
 # --check must find in them: noio skips the host copies, a planted fault.
 CHECK_EXPECT = {"ours": "exact", "nopark": "exact", "noio": "mismatch"}
 CHECK_ENV = "SGLANG_HISPARSE_CHECK"
+SYNTHETIC_ENV = "SGLANG_HISPARSE_SYNTHETIC_TOPK"
 
 
 STEP_TIMER_DIR = Path(__file__).resolve().parent / "steptimer"
@@ -164,7 +178,8 @@ def server_cmd(model: str, port: int, config: str, extra: list[str],
                step_timer_out: Optional[Path] = None,
                step_profile: bool = False, hs_config: Optional[dict] = None,
                ref_pkg: Optional[str] = None, check: bool = False,
-               server_args: Optional[list[str]] = None) -> tuple[list[str], dict]:
+               server_args: Optional[list[str]] = None,
+               synthetic: Optional[str] = None) -> tuple[list[str], dict]:
     if config not in CONFIGS:
         raise ValueError(f"unknown configuration {config!r}; allowed: {', '.join(CONFIGS)}")
     if config == "ref" and not ref_pkg:
@@ -198,6 +213,8 @@ def server_cmd(model: str, port: int, config: str, extra: list[str],
         args += ["--enable-hisparse", "--hisparse-config", json.dumps(hs_config or HS_CONFIG)]
     if check and config not in ("base", "stock"):
         env[CHECK_ENV] = "1"
+    if synthetic and config in CHECK_EXPECT:  # this work tree's data plane only
+        env[SYNTHETIC_ENV] = synthetic
     if config == "ref":
         # The other copy first; no entry that would give this work tree's
         # package (or its entry point) instead.
@@ -413,11 +430,31 @@ def stream_generate(url: str, ids: list[int], max_new: int, timeout: float = 600
     n = len(out["output_ids"] or [])
     if n > 1 and out["ttft"] is not None:
         out["tpot_ms"] = 1000 * (out["e2e"] - out["ttft"]) / (n - 1)
+    # Inter-token gaps after the first token (a parked request shows as one
+    # long gap between tokens it was promised).
+    out["gaps_ms"] = [round(1000 * (b - a), 3) for a, b in zip(stamps, stamps[1:])]
     return out
 
 
-def run_workload(url: str, name: str, seed0: int = 0) -> dict:
-    groups, max_new, _ = WORKLOADS[name]
+def gap_stats(requests: list[dict]) -> dict:
+    """p50/p99 of every inter-token gap of a run, and the worst ratio of one
+    request's longest gap to its own median gap."""
+    gaps = sorted(g for r in requests for g in r.get("gaps_ms") or [])
+    if not gaps:
+        return {"itg_p50_ms": None, "itg_p99_ms": None, "itg_worst_over_median": None}
+    worst = max((max(r["gaps_ms"]) / max(statistics.median(r["gaps_ms"]), 1e-3)
+                 for r in requests if r.get("gaps_ms")), default=None)
+    return {"itg_p50_ms": gaps[len(gaps) // 2],
+            "itg_p99_ms": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))],
+            "itg_worst_over_median": worst}
+
+
+def run_workload(url: str, name: str, seed0: int = 0, max_requests: Optional[int] = None,
+                 max_new: Optional[int] = None) -> dict:
+    groups, default_new, _ = WORKLOADS[name]
+    max_new = max_new or default_new
+    if max_requests:
+        groups = [lens[:max_requests] for lens in groups]
     res = {"requests": [], "errors": []}
     t0 = time.time()
     for gi, lens in enumerate(groups):
@@ -438,6 +475,7 @@ def run_workload(url: str, name: str, seed0: int = 0) -> dict:
     # bound how fast the capacity workload can go, whatever the batch.
     ttfts = [r["ttft"] for r in res["requests"] if r.get("ttft") is not None]
     res["median_ttft_s"] = statistics.median(ttfts) if ttfts else None
+    res.update(gap_stats(res["requests"]))
     return res
 
 
@@ -471,6 +509,26 @@ def exact_counters(text: str) -> dict:
     }
 
 
+def decode_only(text: str) -> dict:
+    """Steady-state decode rate from the server's own log: decode log lines
+    whose interval saw no prefill (the line before is a decode line too),
+    at the highest running count such lines reach; the median of their
+    ``gen throughput``."""
+    lines = [m for m in (re.search(r"(Prefill batch|Decode batch).*", ln)
+                         for ln in text.splitlines()) if m]
+    pure = []
+    for prev, cur in zip(lines, lines[1:]):
+        d = _DECODE.search(cur.group(0))
+        if prev.group(1) == "Decode batch" and d:
+            pure.append((int(d.group(1)), float(d.group(2))))
+    if not pure:
+        return {"decode_only_tok_s": None, "decode_only_running": None, "decode_only_lines": 0}
+    top = max(r for r, _ in pure)
+    rates = [g for r, g in pure if r == top]
+    return {"decode_only_tok_s": statistics.median(rates), "decode_only_running": top,
+            "decode_only_lines": len(rates)}
+
+
 def log_stats(log_path: Path, since: int) -> dict:
     text = log_path.read_text(errors="ignore")[since:]
     running = [int(x) for x in _RUNNING.findall(text)]
@@ -489,6 +547,7 @@ def log_stats(log_path: Path, since: int) -> dict:
         "hisparse_hit_rate": float(hit_rate[-1]) if hit_rate else None,
         "hisparse_host_read_mib": float(read_mib[-1]) if read_mib else None,
         "crashed": "Traceback" in text,
+        **decode_only(text),
         **exact_counters(text),
     }
 
@@ -598,6 +657,19 @@ def main() -> int:
                          "(exit 1 unless ours/nopark are exact and noio shows mismatches)")
     ap.add_argument("--hisparse-config", default=None, metavar="JSON",
                     help=f"--hisparse-config for the HiSparse servers (default {json.dumps(HS_CONFIG)})")
+    ap.add_argument("--synthetic", default=None, metavar="SPEC",
+                    help=f"{SYNTHETIC_ENV}=SPEC in ours/nopark/noio (e.g. 'calibrated'): a "
+                         "benchmark-only top-k of known locality in place of the indexer's; "
+                         "outputs invalid, so no logprob comparison is made for them")
+    ap.add_argument("--geometry", default=None, choices=("tiny", "v32"),
+                    help="instead of --model: write scripts/model_config.py's geometry (with "
+                         "--layers) into LOGS/model and serve that")
+    ap.add_argument("--layers", type=int, default=None, help="with --geometry: the layer count")
+    ap.add_argument("--requests", type=int, default=None, metavar="N",
+                    help="send at most N prompts of each group (the decode-only figure needs "
+                         "only enough to reach a configuration's highest running count)")
+    ap.add_argument("--max-new", type=int, default=None, metavar="N",
+                    help="output tokens per request instead of the workload's")
     ap.add_argument("--server-args", default="",
                     help="extra sglang.launch_server flags for every launch, one shell-quoted "
                          "string (after the workload's own; the last of a repeated flag wins)")
@@ -622,7 +694,13 @@ def main() -> int:
     import shlex
 
     opts = {"hs_config": hs_config, "ref_pkg": args.ref_pkg, "check": args.check,
-            "server_args": shlex.split(args.server_args)}
+            "server_args": shlex.split(args.server_args), "synthetic": args.synthetic}
+    if args.geometry:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import model_config
+
+        args.model = str(model_config.write(model_config.build_config(args.geometry, args.layers),
+                                            Path(args.logs) / "model").parent)
     # A config directory given relative to here must still be found from the
     # servers' own (empty) working directory.
     model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
@@ -668,7 +746,8 @@ def main() -> int:
                     for w in (ws if args.warmup else []):
                         # The first batch after launch pays one-time costs (JIT
                         # builds, allocator growth): run each workload once unrecorded.
-                        run_workload(srv.url, w, seed0=7919)
+                        run_workload(srv.url, w, seed0=7919, max_requests=args.requests,
+                                     max_new=args.max_new)
                     if args.step_profile and timer_out is not None:
                         # The profile restarts at the first batch after this.
                         (timer_out / "profile_reset").touch()
@@ -676,7 +755,8 @@ def main() -> int:
                         mark = log.stat().st_size
                         time.sleep(0.6 if timer_out else 0)  # let the snapshot catch up
                         before = step_timer_snapshot(timer_out)
-                        r = run_workload(srv.url, w)
+                        r = run_workload(srv.url, w, max_requests=args.requests,
+                                         max_new=args.max_new)
                         r.update(log_stats(log, mark))
                         if timer_out:
                             time.sleep(0.6)
@@ -715,12 +795,15 @@ def main() -> int:
         earlier = json.loads(Path(args.baseline_json).read_text())["runs"]["base"]
         results["base"] = {w: earlier.get(w, []) for w in workloads}
         configs = ["base"] + configs
-    summary = summarize(results, configs, workloads, args.margin, args.tol)
+    invalid = ("noio",) + (tuple(CHECK_EXPECT) if args.synthetic else ())
+    summary = summarize(results, configs, workloads, args.margin, args.tol, invalid)
+    decode = summarize_decode(results, configs, workloads)
     if args.step_timer:
         print_step_timer(results, configs, workloads)
     checks = summarize_checks(launches)
-    Path(args.out).write_text(json.dumps({"summary": summary, "env": env, "runs": results,
-                                          "launches": launches, "checks": checks}, indent=1))
+    Path(args.out).write_text(json.dumps({"summary": summary, "decode": decode, "env": env,
+                                          "runs": results, "launches": launches,
+                                          "checks": checks}, indent=1))
     failed_checks = [c for c in checks if c.get("check_ok") is False]
     return 1 if failed_checks or not all(s.get("ok", True) for s in summary) else 0
 
@@ -771,8 +854,9 @@ def merge(args) -> int:
         for w in workloads:
             results[c].setdefault(w, [])
     summary = summarize(results, configs, workloads, args.margin, args.tol)
+    decode = summarize_decode(results, configs, workloads)
     checks = summarize_checks(launches)
-    Path(args.out).write_text(json.dumps({"summary": summary, "runs": results,
+    Path(args.out).write_text(json.dumps({"summary": summary, "decode": decode, "runs": results,
                                           "launches": launches, "checks": checks}, indent=1))
     return 0
 
@@ -802,7 +886,44 @@ def workload_limit(base_runs: list, out_tokens: int) -> Optional[dict]:
             "step_ms": step_ms, "wall_s": wall}
 
 
-def summarize(results, configs, workloads, margin, tol) -> list[dict]:
+def summarize_decode(results, configs, workloads) -> list[dict]:
+    """Per workload and configuration: the decode-only rate (the server's
+    decode log at its highest running count, intervals without prefill)
+    and the streaming gaps, medians over runs, with ratios to base, native
+    and noio."""
+    rows = []
+    print("\nworkload    config  decode-only tok/s @running (x base, x native, / noio)   "
+          "inter-token gap p50 / p99 ms (p99 / TPOT)   worst gap / own median")
+    for w in workloads:
+        med = {c: {k: _med([r.get(k) for r in results[c][w]]) for k in
+                   ("decode_only_tok_s", "decode_only_running", "itg_p50_ms", "itg_p99_ms",
+                    "itg_worst_over_median", "mean_tpot_ms")} for c in configs}
+        for c in configs:
+            m = {k: v[0] for k, v in med[c].items()}
+            row = {"workload": w, "config": c, **m,
+                   "decode_only_tok_s_spread": med[c]["decode_only_tok_s"][1]}
+            for other in ("base", "native", "noio"):
+                o = med.get(other, {}).get("decode_only_tok_s", (None,))[0]
+                if o and m["decode_only_tok_s"]:
+                    row[f"decode_only_vs_{other}"] = m["decode_only_tok_s"] / o
+            if m["itg_p99_ms"] and m["mean_tpot_ms"]:
+                row["itg_p99_over_tpot"] = m["itg_p99_ms"] / m["mean_tpot_ms"]
+            rows.append(row)
+            f = lambda v, spec=".1f": format(v, spec) if v is not None else "-"  # noqa: E731
+            print(f"{w:<11} {c:<7} {f(m['decode_only_tok_s']):>9} ± "
+                  f"{f(med[c]['decode_only_tok_s'][1]):<6} @{f(m['decode_only_running'], '.0f'):<3} "
+                  f"(x{f(row.get('decode_only_vs_base'), '.2f')}, "
+                  f"x{f(row.get('decode_only_vs_native'), '.2f')}, "
+                  f"{f(row.get('decode_only_vs_noio'), '.2f')})   "
+                  f"{f(m['itg_p50_ms'], '.2f'):>7} / {f(m['itg_p99_ms'], '.2f'):<8} "
+                  f"({f(row.get('itg_p99_over_tpot'), '.2f')})   "
+                  f"{f(m['itg_worst_over_median'], '.1f')}", flush=True)
+    return rows
+
+
+def summarize(results, configs, workloads, margin, tol, invalid=("noio",)) -> list[dict]:
+    """``invalid``: configurations whose outputs are not the model's (skip-IO,
+    a synthetic top-k): no logprob comparison."""
     rows = []
     print("\nworkload    config  runs ok/err   out tok/s (median ± half-range)   TPOT ms   "
           "step ms   running max/mean   exactness vs base")
@@ -812,7 +933,10 @@ def summarize(results, configs, workloads, margin, tol) -> list[dict]:
         native_tps = _med([r.get("output_tok_s") for r in results.get("native", {}).get(w, [])])[0]
         ref_tps = _med([r.get("output_tok_s") for r in results.get("ref", {}).get(w, [])])[0]
         ref_tpot = _med([r.get("mean_tpot_ms") for r in results.get("ref", {}).get(w, [])])[0]
-        limit = workload_limit(results.get("base", {}).get(w, []), WORKLOADS[w][1])
+        base_runs = results.get("base", {}).get(w, [])
+        out_tokens = max((len(q["output_ids"] or []) for r in base_runs for q in r["requests"]),
+                         default=WORKLOADS[w][1])  # --max-new may differ from the workload's
+        limit = workload_limit(base_runs, out_tokens)
         for c in configs:
             runs = results[c][w]
             tps, tps_s = _med([r.get("output_tok_s") for r in runs])
@@ -838,14 +962,14 @@ def summarize(results, configs, workloads, margin, tol) -> list[dict]:
                 row["tok_s_vs_ref"] = tps / ref_tps
             if ref_tpot and tpot:
                 row["tpot_vs_ref"] = tpot / ref_tpot
-            if c not in ("base", "noio") and "base" in results:
+            if c != "base" and c not in invalid and "base" in results:
                 cmp = [compare(b, o, margin, tol) for b, o in zip(results["base"][w], runs)]
                 row["exactness"] = {
                     "checked_steps": sum(x["checked_steps"] for x in cmp),
                     "violations": sum(x["violations"] for x in cmp),
                     "max_abs_dlogprob": max((x["max_abs_dlogprob"] for x in cmp), default=None),
                 }
-            if c not in ("base", "ref", "noio") and "ref" in results:
+            if c not in ("base", "ref") and c not in invalid and "ref" in results:
                 cmp = [compare(b, o, margin, tol) for b, o in zip(results["ref"][w], runs)]
                 row["exactness_vs_ref"] = {
                     "checked_steps": sum(x["checked_steps"] for x in cmp),
@@ -873,7 +997,7 @@ def summarize(results, configs, workloads, margin, tol) -> list[dict]:
                   f"(x{limit['output_tok_s'] / base_tps:.2f} base"
                   + (f", x{limit['output_tok_s'] / native_tps:.2f} native" if native_tps else "")
                   + f") = {limit['prompts']} prefills x {limit['first_ttft_s']:.3f} s + "
-                  f"{WORKLOADS[w][1] - 1} steps x {limit['step_ms']:.2f} ms; share of it: {shares}",
+                  f"{out_tokens - 1} steps x {limit['step_ms']:.2f} ms; share of it: {shares}",
                   flush=True)
             rows.append({"workload": w, "config": "limit", **limit,
                          "tok_s_vs_base": limit["output_tok_s"] / base_tps,

@@ -146,9 +146,14 @@ def summarize_trace(path: str, steps: int, top: int = 40, totals: dict | None = 
             "kernels_per_step": len(by_cat.get("kernel", [])) / per,
             "kernel_ms": {},
         })
+        groups = totals["kernel_groups_ms"] = {}
         for e in by_cat.get("kernel", []):
             k = totals["kernel_ms"]
             k[e["name"]] = k.get(e["name"], 0.0) + e["dur"] / 1000 / per
+            g = kernel_group(e["name"])
+            groups[g] = groups.get(g, 0.0) + e["dur"] / 1000 / per
+        for e in by_cat.get("gpu_memcpy", []):
+            groups["memcpy"] = groups.get("memcpy", 0.0) + e["dur"] / 1000 / per
 
     def table(title, evs, key=lambda e: e["name"]):
         agg = collections.defaultdict(lambda: [0.0, 0])
@@ -195,16 +200,46 @@ def summarize_trace(path: str, steps: int, top: int = 40, totals: dict | None = 
     return "\n".join(lines)
 
 
+# Kernel name patterns, first match wins: what a decode step's GPU time is
+# spent on. The swap-in reads host rows itself (SM loads of mapped pinned
+# memory), so its time includes the host IO; the write-through of new tokens
+# is HiCache's backup kernel on a side stream.
+KERNEL_GROUPS = (
+    ("synthetic top-k (benchmark only)", ("synthetic_top_k",)),
+    ("exactness check (debug only)", ("exactness_check",)),
+    ("swap-in (incl. host reads)", ("hisparse_plugin", "swap_in", "load_cache_to_device_buffer")),
+    ("write-through", ("transfer_kv", "transfer_hicache", "transfer_cache", "hicache")),
+    ("sparse attention", ("flash_mla", "flashmla", "sparse_attn", "mla_fwd", "fmha")),
+    ("indexer + top-k", ("indexer", "topk", "top_k", "mqa_logits", "paged_mqa", "fp8_index")),
+    ("GEMM", ("gemm", "nvjet", "cutlass", "sm90_xmma", "gemv", "deep_gemm")),
+)
+
+
+def kernel_group(name: str) -> str:
+    low = name.lower()
+    for group, needles in KERNEL_GROUPS:
+        if any(n in low for n in needles):
+            return group
+    return "other kernels"
+
+
 def side_by_side(totals: dict, top: int = 25) -> str:
     """One column per configuration: step, GPU busy and idle, kernel count,
     then the kernels with the largest per-step difference."""
     cols = list(totals)
     lines = [f"{'per decode step':44s}" + "".join(f"{c:>12s}" for c in cols)]
     for key, unit in (("trace_ms", "ms"), ("gpu_span_ms", "ms"), ("gpu_busy_ms", "ms"), ("gpu_idle_ms", "ms"),
-                      ("kernels_per_step", "")):
+                      ("kernels_per_step", ""), ("decode_only_tok_s", "tok/s, server log"),
+                      ("decode_only_running", ""), ("hisparse_hit_rate", ""),
+                      ("itg_p50_ms", "ms"), ("itg_p99_ms", "ms"), ("itg_worst_over_median", "")):
         vals = [totals[c].get(key) for c in cols]
         lines.append(f"{key + (' (' + unit + ')' if unit else ''):44s}"
                      + "".join(f"{v:12.3f}" if v is not None else f"{'-':>12s}" for v in vals))
+    lines.append("GPU time by kind (ms/step):")
+    kinds = sorted({g for c in cols for g in totals[c].get("kernel_groups_ms", {})})
+    for g in kinds:
+        lines.append(f"  {g[:42]:42s}" + "".join(
+            f"{totals[c].get('kernel_groups_ms', {}).get(g, 0.0):12.3f}" for c in cols))
     names = {n for c in cols for n in totals[c]["kernel_ms"]}
     spread = sorted(names, key=lambda n: -(max(totals[c]["kernel_ms"].get(n, 0.0) for c in cols)
                                            - min(totals[c]["kernel_ms"].get(n, 0.0) for c in cols)))
@@ -217,13 +252,20 @@ def side_by_side(totals: dict, top: int = 25) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", "--config", dest="configs", default="ours",
-                    help="comma-separated configurations, profiled one after another")
+                    help="comma-separated configurations, profiled one after another; "
+                         "NAME:N sends that one N requests instead of --reqs (base holds fewer)")
+    ap.add_argument("--synthetic", default=None, metavar="SPEC",
+                    help="SGLANG_HISPARSE_SYNTHETIC_TOPK=SPEC in ours/nopark/noio (e.g. calibrated)")
+    ap.add_argument("--hisparse-config", default=None, metavar="JSON")
     ap.add_argument("--model", default=os.environ.get("TINY_DSV32", ".gpu/tiny-dsv32"))
     ap.add_argument("--reqs", type=int, default=1)
     ap.add_argument("--prompt", type=int, default=16000)
     ap.add_argument("--new", type=int, default=400)
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--warm-s", type=float, default=3.0, help="decode this long before profiling")
+    ap.add_argument("--warm-s", type=float, default=3.0,
+                    help="decode this long before profiling, counted from when the decode log "
+                         "first shows every request running (or --join-timeout-s passes)")
+    ap.add_argument("--join-timeout-s", type=float, default=300.0)
     ap.add_argument("--extra", default="", help="extra server flags")
     ap.add_argument("--port", type=int, default=30020)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -235,9 +277,10 @@ def main(argv=None) -> int:
     e2e_gpu.exit_on_sigterm()
     totals: dict = {}
     rc = 0
-    for config in args.configs.split(","):
-        totals[config] = {}
-        rc |= profile_one(args, config, totals[config])
+    for spec in args.configs.split(","):
+        config, _, reqs = spec.partition(":")
+        totals[spec] = {}
+        rc |= profile_one(args, config, totals[spec], int(reqs) if reqs else args.reqs)
     if len(totals) > 1:
         table = side_by_side({c: t for c, t in totals.items() if t})
         print(table)
@@ -245,17 +288,29 @@ def main(argv=None) -> int:
     return rc
 
 
-def profile_one(args, config: str, totals: dict) -> int:
+def wait_all_running(log: Path, reqs: int, timeout_s: float) -> float:
+    """Seconds until the server's decode log shows ``reqs`` running."""
+    t0 = time.time()
+    while time.time() - t0 < timeout_s:
+        if (e2e_gpu.log_stats(log, 0)["max_running"] or 0) >= reqs:
+            break
+        time.sleep(0.5)
+    return time.time() - t0
+
+
+def profile_one(args, config: str, totals: dict, reqs: int) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tag = f"{config}_{args.reqs}x{args.prompt}"
+    tag = f"{config}_{reqs}x{args.prompt}"
     prof_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"prof_{tag}"  # traces are large
     # A fresh folder: the summary reads the first trace found there.
     shutil.rmtree(prof_dir, ignore_errors=True)
     prof_dir.mkdir(parents=True)
     os.environ["SGLANG_TORCH_PROFILER_DIR"] = str(prof_dir)
     log = out / f"server_prof_{tag}.log"
-    srv = e2e_gpu.Server(args.model, args.port, config, args.extra.split(), log)
+    hs_config = json.loads(args.hisparse_config) if args.hisparse_config else None
+    srv = e2e_gpu.Server(args.model, args.port, config, args.extra.split(), log,
+                         synthetic=args.synthetic, hs_config=hs_config)
     try:
         print(f"[{config}] ready in {srv.wait_ready():.0f}s", flush=True)
         results = []
@@ -263,9 +318,11 @@ def profile_one(args, config: str, totals: dict) -> int:
         def one(seed):
             results.append(e2e_gpu.stream_generate(srv.url, e2e_gpu.make_ids(args.prompt, seed), args.new))
 
-        threads = [threading.Thread(target=one, args=(s,)) for s in range(args.reqs)]
+        threads = [threading.Thread(target=one, args=(s,)) for s in range(reqs)]
         for t in threads:
             t.start()
+        joined_s = wait_all_running(log, reqs, args.join_timeout_s)
+        print(f"[{config}] {reqs} running after {joined_s:.0f}s", flush=True)
         time.sleep(args.warm_s)
         if args.thread_sample_s > 0:
             threads_text = busiest_threads(args.thread_sample_s)
@@ -279,7 +336,12 @@ def profile_one(args, config: str, totals: dict) -> int:
         time.sleep(2)
         stats = e2e_gpu.log_stats(log, 0)
         print(f"[{config}] {len(results)} done; decode step {stats['decode_step_ms']} ms, "
-              f"running max {stats['max_running']}", flush=True)
+              f"running max {stats['max_running']}; decode-only {stats['decode_only_tok_s']} tok/s "
+              f"at {stats['decode_only_running']} running; hit rate {stats['hisparse_hit_rate']}",
+              flush=True)
+        totals.update({k: stats[k] for k in ("decode_only_tok_s", "decode_only_running",
+                                             "hisparse_hit_rate")})
+        totals.update(e2e_gpu.gap_stats(results))
         # The trace is written after the last profiled step; give it time.
         for _ in range(60):
             if glob.glob(str(prof_dir / "*.trace.json*")):
@@ -289,7 +351,8 @@ def profile_one(args, config: str, totals: dict) -> int:
         srv.stop()
     traces = sorted(glob.glob(str(prof_dir / "*.trace.json*")))
     if not traces:
-        print("no trace written")
+        print("no trace written (if the requests finished before the profiler started, "
+              "raise --new)")
         return 1
     text = summarize_trace(traces[0], args.steps, totals=totals)
     print(f"== {config}\n{text}")

@@ -187,6 +187,9 @@ RESIDENCY_ENV = "SGLANG_HISPARSE_RESIDENCY"  # coordinator: "0" stages every req
 PARKING_ENV = "SGLANG_HISPARSE_PARKING"  # coordinator: "0" joins staged requests at once
 HOST_ALLOC_ENV = "SGLANG_HISPARSE_HOST_ALLOC"  # host_memory: how host pools are pinned
 CHECK_ENV = "SGLANG_HISPARSE_CHECK"  # coordinator: "1" checks every swap-in's rows (debug)
+# coordinator: benchmark-only synthetic top-k (kernels/synthetic_top_k.py);
+# its values are a spec, checked by that module's parse, not a fixed list.
+SYNTHETIC_TOPK_ENV = "SGLANG_HISPARSE_SYNTHETIC_TOPK"
 HOST_ALLOC_MODES = ("cuda_host_alloc", "registered", "registered_thp")
 ENV_SWITCHES = {
     NATIVE_ENV: ("0", "1"),
@@ -205,4 +208,11 @@ def env_problems(environ) -> list[str]:
         value = environ.get(name)
         if value is not None and value not in allowed:
             problems.append(f"{name}={value!r} is not valid; allowed: {', '.join(allowed)}")
+    if environ.get(SYNTHETIC_TOPK_ENV):
+        from sglang_hisparse.kernels.synthetic_top_k import parse
+
+        try:
+            parse(environ[SYNTHETIC_TOPK_ENV], SYNTHETIC_TOPK_ENV)
+        except ValueError as exc:
+            problems.append(str(exc))
     return problems

@@ -520,3 +520,31 @@ def test_merge_keeps_each_rounds_check_launches(tmp_path, capsys):
     assert list(rows) == ["base", "ref", "ours", "limit"]
     assert rows["ours"]["tok_s_vs_ref"] == 1.0 and rows["ours"]["exactness_vs_ref"]["violations"] == 0
     assert "x1.00 ref" in capsys.readouterr().out
+
+
+def test_decode_only_rate_skips_intervals_with_prefill():
+    e2e = _load("e2e_gpu", SCRIPTS / "e2e_gpu.py")
+    line = "[t] Decode batch, #running-req: {}, #gpu token: 1, gen throughput (token/s): {}, #queue-req: 0"
+    log = "\n".join([
+        "[t] Prefill batch, #new-seq: 1, #new-token: 64",
+        line.format(8, 100.0),  # its interval held a prefill
+        line.format(8, 800.0),
+        "[t] Prefill batch, #new-seq: 1, #new-token: 64",
+        line.format(9, 50.0),  # the highest count, but after a prefill
+        line.format(8, 900.0),
+        line.format(8, 700.0),
+        line.format(2, 300.0),
+    ])
+    got = e2e.decode_only(log)
+    assert got == {"decode_only_tok_s": 800.0, "decode_only_running": 8, "decode_only_lines": 3}
+    assert e2e.decode_only("no decode lines")["decode_only_tok_s"] is None
+
+
+def test_gap_stats_finds_the_stalled_stream():
+    e2e = _load("e2e_gpu", SCRIPTS / "e2e_gpu.py")
+    steady = {"gaps_ms": [10.0] * 99}
+    parked = {"gaps_ms": [10.0] * 10 + [900.0] + [10.0] * 10}  # waited after its first tokens
+    got = e2e.gap_stats([steady, parked])
+    assert got["itg_p50_ms"] == 10.0 and got["itg_p99_ms"] == 10.0
+    assert got["itg_worst_over_median"] == 90.0
+    assert e2e.gap_stats([{"gaps_ms": []}])["itg_p50_ms"] is None

@@ -37,7 +37,13 @@ from typing import Callable, List, NamedTuple, Optional
 
 import torch
 
-from sglang_hisparse.config import CHECK_ENV, PARKING_ENV, RESIDENCY_ENV, SKIP_IO_ENV
+from sglang_hisparse.config import (
+    CHECK_ENV,
+    PARKING_ENV,
+    RESIDENCY_ENV,
+    SKIP_IO_ENV,
+    SYNTHETIC_TOPK_ENV,
+)
 from sglang_hisparse.engine.exactness import ExactnessCheck
 from sglang_hisparse.engine.policies.parking import Parking
 from sglang_hisparse.engine.policies.residency import Residency
@@ -45,6 +51,7 @@ from sglang_hisparse.engine.policies.retain_on_retract import RetainOnRetract
 from sglang_hisparse.engine.state import ReqState, RequestTable
 from sglang_hisparse.engine.streams import RealRequestCount, Streams, TrailingReader
 from sglang_hisparse.engine.tables import RequestTables
+from sglang_hisparse.kernels import synthetic_top_k
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +127,14 @@ class Coordinator:
         if self.skip_io:
             logger.warning("%s=1: swap-in host copies are skipped; outputs are invalid "
                            "(for timing only)", SKIP_IO_ENV)
+        # Benchmark-only: a top-k trace of known step-to-step locality in
+        # place of the indexer's (random weights have almost none); outputs
+        # invalid, timings valid.
+        self.synthetic_trace = synthetic_top_k.from_env()
+        if self.synthetic_trace is not None:
+            logger.warning("%s: the indexer's top-k is replaced by the synthetic trace %s; "
+                           "outputs are invalid (for timing only)", SYNTHETIC_TOPK_ENV,
+                           self.synthetic_trace)
 
         if self.is_dsv4_hisparse:
             self.mem_pool_device = alloc.hisparse_kvcache  # the C4 physical pool
@@ -149,6 +164,8 @@ class Coordinator:
         self.req_device_buffer_token_locs = t.slot_locs
         self.lru_slots = t.lru
         self.top_k_device_locs_buffer = t.top_k_out
+        self._synthetic_top_k = (torch.empty_like(t.top_k_out)
+                                 if self.synthetic_trace is not None else None)
         self.raw_indices_buffer = t.raw_indices
         self.req_resident = t.resident
         self.num_real_reqs = RealRequestCount(device)
@@ -618,6 +635,10 @@ class Coordinator:
         """Physical rows of the selected tokens, loading misses from host (per layer)."""
         bs = req_pool_indices.size(0)
         out = self.top_k_device_locs_buffer[:bs]
+        if self.synthetic_trace is not None:
+            top_k_result = synthetic_top_k.synthetic_top_k(
+                req_pool_indices, compressed_seq_lens, layer_id, self.synthetic_trace,
+                self._synthetic_top_k[:bs, :top_k_result.size(1)])
         fn = self._swap_in_fn or _swap_in_kernel()
         extra = {} if self.swap_in_block_size is None else {"block_size": self.swap_in_block_size}
         if self.skip_io:

@@ -13,6 +13,8 @@ One module per concept:
   (:func:`check_swap_in`, CUDA or torch by device).
 - :mod:`.bench` - benchmark-only variants: the timing probe, hash-scale
   overrides.
+- :mod:`.synthetic_top_k` - benchmark-only: a top-k trace of known locality
+  in place of the indexer's (SGLANG_HISPARSE_SYNTHETIC_TOPK), CUDA or torch.
 - :mod:`.variants` - :func:`compile_variants`, what a config needs built.
 - :mod:`.reference` - the torch swap-in and the written-down semantics.
 
@@ -55,7 +57,8 @@ _LAZY = {
     "new_probe": "bench",
     "probe_phases_us": "bench",
 }
-_SUBMODULES = ("bench", "copy_planned", "exactness", "limits", "reference", "swap_in", "variants")
+_SUBMODULES = ("bench", "copy_planned", "exactness", "limits", "reference", "swap_in",
+               "synthetic_top_k", "variants")
 
 __all__ = sorted([
     "C4_ITEM_BYTES", "C4_PAGE_BYTES", "DEFAULT_BLOCK_SIZE", "HASH_SCALES", "LAYOUTS",

@@ -20,7 +20,7 @@
 #   64 MiB that travels: the kit's bundle is ~45 MB of it).
 #
 # ON THE DEVICE, from the repo root, carry [".bundle", ".gpu"]:
-#   bash scripts/gpu_foundation.sh STAGE...
+#   bash scripts/gpu_stages.sh STAGE...
 # Stages run in the order given; each has its own `timeout`, and the whole
 # command keeps within GF_BUDGET_S (default 570 s, the device allows 600):
 # a stage that no longer fits is skipped and says so. Estimates, on a fresh
@@ -56,15 +56,34 @@
 #             --mem-fraction-static 0.45, host_to_device_ratio 2 (~9 GiB
 #             pinned). ~3-4 min warm (launch: weights, graphs up to batch 4),
 #             +2 min cold.
+#   trace     the synthetic top-k (SGLANG_HISPARSE_SYNTHETIC_TOPK) on the
+#             GPU: its tests (kernel == torch version, calibration through
+#             the kernel) and bench_kernels.py --trace (the kernel's miss
+#             rate at 16K/32K/64K beside the reference's). ~1 min.
+#   decode    decode-only step and where it goes, on the V3.2 geometry
+#             (GF_DECODE_LAYERS, default 61): scripts/profile_decode.py,
+#             32000-token prompts x GF_DECODE_NEW (400) out, --max-total-tokens
+#             72000, GF_DECODE_CONFIGS (base:2,ours:16: requests each; base
+#             holds two), synthetic GF_DECODE_SYNTHETIC (calibrated; "" for
+#             the model's own top-k); profiles 8 steps once all run, and
+#             reads the decode-only rate from the server log. Measured at
+#             61 layers: base ready in 81 s, then ~30 s; ours ready in 113 s,
+#             then 16 prefills at ~7.3K tokens/s (~70 s) before all run:
+#             give it a command of its own.
+#   bound     end to end, decode-bound: decodebound (16 x 32K x 1024 out) on
+#             GF_BOUND_LAYERS (8) layers of the V3.2 geometry, configs
+#             GF_BOUND_CONFIGS (base,ours,noio), synthetic as above, one
+#             launch each. ~2-3 min per launch.
 #   jit       save_jit_cache: the kernel caches as jitcache.tar.xz (split in
 #             15 MiB parts when larger; not returned above ~45 MiB). Run
 #             last; ~0.5-1 min. Then, here:
 #             cat jitcache.tar.xz* > .bundle/jitcache.tar.xz
 # A split that fits 3 commands of <= 10 min (plus ~1 min machine start each):
-#   1. bash scripts/gpu_foundation.sh bg-tests check fault jit   (~6-7 min)
-#   2. bash scripts/gpu_foundation.sh e2e1 deep                  (~8-10 min cold)
-#   3. bash scripts/gpu_foundation.sh e2e2                       (~5-7 min)
-# Environment: GF_BUDGET_S (570), GF_CPUS (e.g. fastest:4: pin e2e servers
+#   1. bash scripts/gpu_stages.sh bg-tests check fault jit   (~6-7 min)
+#   2. bash scripts/gpu_stages.sh e2e1 deep                  (~8-10 min cold)
+#   3. bash scripts/gpu_stages.sh e2e2                       (~5-7 min)
+# Environment: GF_BUDGET_S (570), GF_E2E_BASE (1; 0: e2e rounds without
+# base), GF_CPUS (e.g. fastest:4: pin e2e servers
 # to the cores timed fastest; only with a warm JIT cache, kernel builds get
 # those cores only), GF_CHECK_CONFIGS (ours), GF_DEEP_LAYERS (61),
 # GF_DEEP_CONFIGS (ours), GF_XDIST_WORKERS (8).
@@ -79,8 +98,8 @@ if [ ${#STAGES[@]} -eq 0 ]; then
   exit 2
 fi
 for s in "${STAGES[@]}"; do
-  case $s in tests|bg-tests|check|fault|e2e|e2e1|e2e2|deep|jit) ;;
-    *) echo "unknown stage $s (tests bg-tests check fault e2e e2e1 e2e2 deep jit)"; exit 2 ;;
+  case $s in tests|bg-tests|check|fault|e2e|e2e1|e2e2|deep|trace|decode|bound|jit) ;;
+    *) echo "unknown stage $s (tests bg-tests check fault e2e e2e1 e2e2 deep trace decode bound jit)"; exit 2 ;;
   esac
 done
 [ -f scripts/e2e_gpu.py ] && [ -f .gpu/device_env.sh ] || {
@@ -90,7 +109,7 @@ T0=$(date +%s)
 BUDGET_S=${GF_BUDGET_S:-570}
 REPO=$(pwd)
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-WORK=${TMPDIR:-/tmp}/gpu_foundation
+WORK=${TMPDIR:-/tmp}/gpu_stages
 RUN=$WORK/run_$(date +%Y%m%d_%H%M%S)
 mkdir -p "$RUN"
 SUMMARY=$OUT/summary.txt
@@ -137,7 +156,7 @@ finish() {
 trap finish EXIT
 trap 'exit 143' TERM INT
 
-say "== gpu_foundation: stages ${STAGES[*]}; run dir $RUN"
+say "== gpu_stages: stages ${STAGES[*]}; run dir $RUN"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>&1 | sed 's/^/   gpu: /' | tee -a "$SUMMARY"
 
 # --- environment: the kit, this work tree's package, the ref package ---------
@@ -207,6 +226,10 @@ summarize_stage() {
       grep -E '^(FAILED|ERROR) ' "$f" | head -30
       grep -E '^=+ .*[0-9]+ (passed|failed|errors?|skipped)' "$f" | tail -1
       grep -q -E '^=+ .*[0-9]+ (passed|failed|errors?|skipped)' "$f" || tail -5 "$f" ;;
+    decode)
+      grep -E '^\[[a-z]+\] ' "$f" | cut -c1-300
+      sed -n '/^per decode step/,$p' "$f"
+      grep -q '^per decode step' "$f" || tail -15 "$f" ;;
     *)
       grep -E '\] (sglang_hisparse from|FAILED)|^--ref-pkg|^cpu probe|^servers run on|Traceback|counter flush' "$f" | cut -c1-300
       # e2e_gpu's own tables: the workload table, the limit lines, the check table.
@@ -231,6 +254,11 @@ CPU_ARGS=(--cpu-probe)
 [ -n "${GF_CPUS:-}" ] && CPU_ARGS=(--cpus "$GF_CPUS")
 HS_RATIO2='{"top_k": 2048, "device_buffer_size": 4096, "host_to_device_ratio": 2}'
 join() { local IFS=,; echo "$*"; }
+# GF_E2E_BASE=0 leaves base out of the e2e rounds (before/after needs only
+# ref and ours); ROUND_N: launches per round, for the stage's time estimate.
+BASE_CONFIG=base
+[ "${GF_E2E_BASE:-1}" = 0 ] && BASE_CONFIG=""
+ROUND_N=$(( 1 + $([ -n "$BASE_CONFIG" ] && echo 1 || echo 0) + $([ -n "$REF_CONFIGS" ] && echo 1 || echo 0) ))
 
 test_files() {
   local f files=()
@@ -265,6 +293,37 @@ deep_cmd() {
     --out "$RUN/deep.json" --logs "$RUN/deep"
 }
 
+trace_cmd() {
+  # -m gpu: the CPU tests' Triton interpreter fails on the device image's numpy.
+  python3 -m pytest -p no:cacheprovider -q -rfEs -m gpu tests/test_synthetic_top_k.py
+  python3 scripts/bench_kernels.py --trace calibrated
+}
+
+v32_model() {  # v32_model LAYERS: writes the model dir, prints its path
+  local model=$WORK/dsv32-$1
+  python3 scripts/model_config.py --geometry v32 --layers "$1" --out "$model" >/dev/null && echo "$model"
+}
+
+# The 32K workloads hold 16 requests; a host pool of ratio 8 covers them.
+LONG_ARGS=(--warmup 0 --server-args "--mem-fraction-static 0.45 --cuda-graph-max-bs 16")
+
+decode_cmd() {
+  local model; model=$(v32_model "${GF_DECODE_LAYERS:-61}") || return 1
+  local syn=${GF_DECODE_SYNTHETIC-calibrated}
+  python3 scripts/profile_decode.py --model "$model" --port "$PORT" \
+    --configs "${GF_DECODE_CONFIGS:-base:2,ours:16}" ${syn:+--synthetic "$syn"} \
+    --prompt 32000 --new "${GF_DECODE_NEW:-400}" --steps 8 --warm-s 2 --no-stack \
+    --extra "--max-total-tokens 72000 --context-length 40960 --mem-fraction-static 0.45 --cuda-graph-max-bs 16" \
+    --out "$RUN/decode"
+}
+
+bound_cmd() {
+  local model; model=$(v32_model "${GF_BOUND_LAYERS:-8}") || return 1
+  local syn=${GF_DECODE_SYNTHETIC-calibrated}
+  "${E2E[@]}" --model "$model" --configs "${GF_BOUND_CONFIGS:-base,ours,noio}" ${syn:+--synthetic "$syn"} \
+    --workloads decodebound "${LONG_ARGS[@]}" --out "$RUN/bound.json" --logs "$RUN/bound"
+}
+
 # `timeout` runs programs, not functions: a stage that needs a function runs
 # it in `bash -c` with the function and the variables it reads declared.
 for stage in "${STAGES[@]}"; do
@@ -287,9 +346,9 @@ for stage in "${STAGES[@]}"; do
     e2e1|e2e2|e2e)
       wait_bg
       case $stage in
-        e2e1) run_stage e2e1 240 480 bash -c "$(declare -f e2e_round); $(declare -p E2E CPU_ARGS REF_CONFIGS REF RUN); e2e_round e2e_round1 $(join base $REF_CONFIGS ours) 1" ;;
-        e2e2) run_stage e2e2 240 480 bash -c "$(declare -f e2e_round); $(declare -p E2E CPU_ARGS REF_CONFIGS REF RUN); e2e_round e2e_round2 $(join ours $REF_CONFIGS base) 1" ;;
-        e2e)  run_stage e2e 420 560 bash -c "$(declare -f e2e_round); $(declare -p E2E CPU_ARGS REF_CONFIGS REF RUN); e2e_round e2e_both $(join base $REF_CONFIGS ours) 2" ;;
+        e2e1) run_stage e2e1 $((80 * ROUND_N)) 480 bash -c "$(declare -f e2e_round); $(declare -p E2E CPU_ARGS REF_CONFIGS REF RUN); e2e_round e2e_round1 $(join $BASE_CONFIG $REF_CONFIGS ours) 1" ;;
+        e2e2) run_stage e2e2 $((80 * ROUND_N)) 480 bash -c "$(declare -f e2e_round); $(declare -p E2E CPU_ARGS REF_CONFIGS REF RUN); e2e_round e2e_round2 $(join ours $REF_CONFIGS $BASE_CONFIG) 1" ;;
+        e2e)  run_stage e2e $((140 * ROUND_N)) 560 bash -c "$(declare -f e2e_round); $(declare -p E2E CPU_ARGS REF_CONFIGS REF RUN); e2e_round e2e_both $(join $BASE_CONFIG $REF_CONFIGS ours) 2" ;;
       esac
       show "$stage"
       rounds=$(ls "$RUN"/e2e_round1.json "$RUN"/e2e_round2.json 2>/dev/null)
@@ -301,6 +360,16 @@ for stage in "${STAGES[@]}"; do
     deep)
       run_stage deep 150 450 bash -c "$(declare -f deep_cmd); $(declare -p E2E HS_RATIO2 RUN WORK); deep_cmd"
       show deep ;;
+    trace)
+      run_stage trace 60 240 bash -c "$(declare -f trace_cmd)
+trace_cmd"
+      show trace ;;
+    decode)
+      run_stage decode 200 560 bash -c "$(declare -f v32_model decode_cmd); $(declare -p RUN WORK PORT); decode_cmd"
+      show decode ;;
+    bound)
+      run_stage bound 200 560 bash -c "$(declare -f v32_model bound_cmd); $(declare -p E2E LONG_ARGS RUN WORK); bound_cmd"
+      show bound ;;
     jit) ;;  # done by finish, after everything else
   esac
 done
