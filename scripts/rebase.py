@@ -1,39 +1,44 @@
 #!/usr/bin/env python3
 """Rebase the manifest onto another SGLang release (the mechanical part).
 
-    python scripts/rebase.py DIR [--write]          # or: --sglang-root DIR
+    python scripts/rebase.py DIR [--write] [--accept TARGET ...] [--out ROOT]
     python scripts/rebase.py --hash TARGET... [--sglang-root DIR]
 
-DIR holds the new release's ``sglang`` package (e.g. ``pip install --no-deps
---target DIR sglang==X``, or a ``pip download`` wheel unpacked). For every
-manifest entry this prints one of:
+DIR holds the new release's ``sglang`` package and its ``*.dist-info``
+(e.g. ``pip install --no-deps --target DIR sglang==X``, or a ``pip
+download`` wheel unzipped). For every manifest entry this prints one of:
 
   drop      the behaviour is native in the new release (native_in <= new)
   same      the target's source is unchanged: the pinned hash carries over
-  reapply   a source patch whose hunks still match once re-anchored: with
-            --write the re-anchored diff is written to patches/sglang-NEW/
+  reapply   a source patch whose hunks still match once re-anchored
   review    a hook target changed (or vanished): a human rewrites the hook/patch
   changed   a DEPENDS target changed: a human re-reads our code that mirrors or
-            is called by it (printed after "relied on by"), then takes the hash
+            is called by it (printed after "relied on by"); once they have,
+            ``--accept TARGET`` takes its new hash
+  accepted  such a target, taken with --accept
   gone      a DEPENDS target vanished: the same, and the entry is retargeted
 
-and finally the sha256 values to paste into ``manifest.py`` for the new
-version. Nothing here edits manifest.py: hashes are reviewed by a person.
+With ``--write``, and only when no entry is left for a person, it writes the
+new pin: ``patches/sglang-NEW/pin.json`` (every target's sha256, see
+:mod:`sglang_hisparse.pins`) and the source patches (carried over or
+re-anchored), under ``--out`` (default: the package's ``patches/``). That
+directory is what makes a release supported; nobody edits its hashes.
 
 ``--hash`` prints the sha256 of any target (default: the installed SGLang),
-the way the loader computes it: that is where a new entry's hash comes from.
+the way the loader computes it.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import difflib
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sglang_hisparse import SUPPORTED_SGLANG_VERSIONS  # noqa: E402
+from sglang_hisparse import SUPPORTED_SGLANG_VERSIONS, pins  # noqa: E402
 from sglang_hisparse.manifest import ENTRIES, Kind  # noqa: E402
 from sglang_hisparse.pinned_source import (  # noqa: E402
     TargetNotFound,
@@ -45,10 +50,6 @@ from sglang_hisparse.source_patch import (  # noqa: E402
     apply_unified_diff,
     patch_file,
 )
-
-
-def _version_key(v: str) -> tuple:
-    return tuple(int(p) if p.isdigit() else 0 for p in v.split("."))
 
 
 def _reanchor(old_pinned: str, old_patched: str, new_source: str) -> str | None:
@@ -78,6 +79,74 @@ def _reanchor(old_pinned: str, old_patched: str, new_source: str) -> str | None:
     return "\n".join(out) + "\n"
 
 
+def _definitions(root: Path) -> list[tuple[str, str, int, str]]:
+    """Every module-level function or class and every method under
+    ``root/sglang/srt``: (dotted target, file name, first line, source text)."""
+    found = []
+    base = Path(root)
+    for path in sorted((base / "sglang" / "srt").rglob("*.py")):
+        try:
+            text = path.read_text(encoding="utf-8")
+            tree = ast.parse(text)
+        except (OSError, SyntaxError, UnicodeDecodeError):
+            continue
+        lines = text.splitlines(keepends=True)
+        module = ".".join(path.relative_to(base).with_suffix("").parts).removesuffix(".__init__")
+
+        def add(node, qual):
+            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            found.append((f"{module}.{qual}", path.name, first,
+                          "".join(lines[first - 1:node.end_lineno])))
+
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                add(node, node.name)
+                if isinstance(node, ast.ClassDef):
+                    for sub in node.body:
+                        if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                            add(sub, f"{node.name}.{sub.name}")
+    return found
+
+
+_DEFINITIONS: dict = {}
+
+
+def moved_candidates(target: str, root: Path, top: int = 3) -> list[str]:
+    """Where a target that is gone from its module may have gone: definitions
+    of the same name (or, failing that, in the same module or class) in the
+    new release, most alike first by their source text; for a person to
+    confirm, never applied."""
+    try:
+        old = read_pinned_source(target)  # the installed (pinned) release
+    except TargetNotFound:
+        return []
+    if str(root) not in _DEFINITIONS:
+        _DEFINITIONS[str(root)] = _definitions(root)
+    defs = _DEFINITIONS[str(root)]
+    qual = old.qualname
+    leaf = qual.rsplit(".", 1)[-1]
+    same = [d for d in defs if d[0].endswith("." + qual)]
+    kind = "moved?"
+    if not same:
+        owner = target.rsplit(".", 1)[0]
+        same = [d for d in defs if d[0].rsplit(".", 1)[-1] == leaf or d[0].rsplit(".", 1)[0] == owner]
+        kind = "renamed?"
+    old_lines = old.text.splitlines()
+    scored = []
+    for dotted, name, line, text in same:
+        sm = difflib.SequenceMatcher(None, old_lines, text.splitlines(), autojunk=False)
+        if sm.real_quick_ratio() < 0.3 or sm.quick_ratio() < 0.3:
+            continue
+        scored.append((sm.ratio(), dotted, name, line))
+    scored.sort(reverse=True)
+    return [f"{kind:<9}{dotted} ({name}:{line}, {ratio:.2f} alike)"
+            for ratio, dotted, name, line in scored[:top] if ratio >= 0.3]
+
+
+def _moved_lines(target: str, root: Path) -> str:
+    return "".join(f"\n           {c}" for c in moved_candidates(target, root))
+
+
 def print_hashes(targets: list[str], root: Path | None) -> int:
     """``--hash``: one line per target, ``target sha256 file:line``."""
     missing = 0
@@ -96,44 +165,59 @@ def _relied_on_by(entry) -> str:
     return "\n".join(f"             relied on by {who}" for who in entry.relied_on_by)
 
 
-def rebase(root: Path, write: bool) -> int:
+def rebase(root: Path, write: bool, accept: tuple[str, ...] = (), out: Path | None = None) -> int:
     new = sglang_version(root)
-    old = SUPPORTED_SGLANG_VERSIONS[-1]
+    # From the newest pin before the new release (the newest of all when
+    # there is none before it).
+    older = [v for v in SUPPORTED_SGLANG_VERSIONS if pins.version_key(v) < pins.version_key(new)]
+    old = (older or SUPPORTED_SGLANG_VERSIONS)[-1]
+    out = Path(out) if out is not None else pins.PATCH_ROOT
     print(f"rebasing the {old} manifest onto sglang {new} at {root}")
     hashes: dict[str, str] = {}
+    diffs: dict[str, str] = {}  # target -> the new release's diff text
     needs_human = 0
     for e in ENTRIES:
-        if e.native_in and _version_key(e.native_in) <= _version_key(new):
+        if e.native_in and pins.version_key(e.native_in) <= pins.version_key(new):
             print(f"  drop     {e.target} (native in {e.native_in})")
             continue
         try:
             src = read_pinned_source(e.target, root)
         except TargetNotFound as exc:
+            moved = _moved_lines(e.target, root)
             if e.kind is Kind.DEPENDS:
-                print(f"  gone     {e.target}: {exc}\n{_relied_on_by(e)}")
+                print(f"  gone     {e.target}: {exc}{moved}\n{_relied_on_by(e)}")
             else:
-                print(f"  review   {e.target}: {exc}")
+                print(f"  review   {e.target}: {exc}{moved}")
             needs_human += 1
             continue
         if src.sha256 == e.sha256.get(old):
             print(f"  same     {e.target}")
             hashes[e.target] = src.sha256
+            if e.kind is Kind.SOURCE_PATCH:
+                diffs[e.target] = patch_file(old, e.target).read_text()
             continue
         if e.kind is Kind.DEPENDS:
-            # The new hash is printed below, but only a person who has re-read
-            # our side may paste it.
+            if e.target in accept:
+                print(f"  accepted {e.target} ({src.path.name}:{src.first_line})")
+                hashes[e.target] = src.sha256
+                continue
             print(
                 f"  changed  {e.target} ({src.path.name}:{src.first_line}): "
-                f"re-read our mirror\n{_relied_on_by(e)}"
+                f"re-read our mirror, then --accept it\n{_relied_on_by(e)}"
             )
-            hashes[e.target] = src.sha256
             needs_human += 1
             continue
         if e.kind is not Kind.SOURCE_PATCH:
             print(f"  review   {e.target}: source changed ({src.path.name}:{src.first_line})")
             needs_human += 1
             continue
-        old_src = read_pinned_source(e.target).text  # the installed (pinned) release
+        installed = read_pinned_source(e.target)  # re-anchoring needs the old release's text
+        if installed.sha256 != e.sha256.get(old):
+            print(f"  review   {e.target}: the installed sglang is not the {old} pin; "
+                  "install it to re-anchor the patch")
+            needs_human += 1
+            continue
+        old_src = installed.text
         diff_text = patch_file(old, e.target).read_text()
         try:
             patched_old = apply_unified_diff(e.target, old_src, diff_text)
@@ -146,7 +230,7 @@ def rebase(root: Path, write: bool) -> int:
             print(f"  review   {e.target}: edit does not re-anchor on the new source")
             needs_human += 1
             continue
-        new_diff = "".join(
+        diffs[e.target] = "".join(
             difflib.unified_diff(
                 src.text.splitlines(keepends=True),
                 patched_new.splitlines(keepends=True),
@@ -155,17 +239,19 @@ def rebase(root: Path, write: bool) -> int:
         )
         print(f"  reapply  {e.target}")
         hashes[e.target] = src.sha256
-        if write:
-            path = patch_file(new, e.target)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(new_diff)
-            print(f"           wrote {path}")
-    print(f"\nsha256 for {new!r} (add to each entry's sha256 dict; 'changed' ones only "
-          "after re-reading what relies on them):")
-    for target, h in hashes.items():
-        print(f"  {target}: {h}")
     print(f"\n{needs_human} entr{'y needs' if needs_human == 1 else 'ies need'} a human")
-    return 1 if needs_human else 0
+    if not write:
+        return 1 if needs_human else 0
+    if needs_human:
+        print(f"nothing written: the pin for {new} needs every entry settled")
+        return 1
+    for target, text in diffs.items():
+        path = pins.pin_dir(new, out) / f"{target}.diff"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        print(f"wrote {path}")
+    print(f"wrote {pins.write_pin(new, old, hashes, out)} ({len(hashes)} targets)")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,7 +260,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="directory that holds the new release's sglang package")
     ap.add_argument("--sglang-root", type=Path, default=None, help="same as DIR")
     ap.add_argument("--write", action="store_true",
-                    help="write re-anchored source patches to patches/sglang-NEW/")
+                    help="write the new pin (pin.json and its source patches) to "
+                         "ROOT/sglang-NEW/ when no entry needs a person")
+    ap.add_argument("--accept", nargs="+", default=(), metavar="TARGET",
+                    help="changed DEPENDS targets whose relied-on code a person has re-read")
+    ap.add_argument("--out", type=Path, default=None, metavar="ROOT",
+                    help="where pins are written (default: the package's patches/)")
     ap.add_argument("--hash", nargs="+", metavar="TARGET", default=None,
                     help="print the sha256 of these dotted targets and exit "
                          "(DIR / --sglang-root, default: the installed sglang)")
@@ -186,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         return print_hashes(args.hash, root)
     if root is None:
         ap.error("the new release's directory is required (DIR or --sglang-root DIR)")
-    return rebase(root, args.write)
+    return rebase(root, args.write, tuple(args.accept), args.out)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ loader in :mod:`sglang_hisparse.plugin` decides what to touch.
 
 __version__ = "0.1.0"
 
-# SGLang releases this package carries patches for. A pin upgrade adds a
-# version here together with a ``patches/sglang-<version>/`` directory and
-# refreshed hashes in the manifest (see scripts/rebase.py).
-SUPPORTED_SGLANG_VERSIONS = ("0.5.13",)
+from sglang_hisparse.pins import supported_versions as _supported_versions
+
+# SGLang releases this package carries a pin for (oldest first): the
+# directories patches/sglang-<version>/ that hold a pin.json, which
+# scripts/rebase.py --write creates (sglang_hisparse.pins).
+SUPPORTED_SGLANG_VERSIONS = _supported_versions()

@@ -2,7 +2,8 @@
 
 Each :class:`Entry` says what is changed or relied on (``target``), how
 (``kind``), which exact source it was written against (``sha256`` per SGLang
-release), why, which SGLang process runs the target (``process``), and when
+release, read from the pins: ``patches/sglang-<version>/pin.json``, written
+by ``scripts/rebase.py --write``, see :mod:`sglang_hisparse.pins`), why, which SGLang process runs the target (``process``), and when
 upstream made it unnecessary (``native_in``). The loader refuses to activate
 anything unless every entry checks out against the installed SGLang;
 ``python -m sglang_hisparse doctor`` prints the same checks. A pin upgrade is a
@@ -40,6 +41,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+
+from sglang_hisparse import pins
 
 
 class Kind(str, enum.Enum):
@@ -89,7 +92,9 @@ class Process(str, enum.Enum):
 class Entry:
     target: str
     kind: Kind
-    sha256: dict[str, str]  # SGLang version -> sha256 of the target's source
+    # SGLang version -> sha256 of the target's source; None (the manifest's
+    # own entries): from the pins (sglang_hisparse.pins.hashes).
+    sha256: dict[str, str] | None
     why: str  # hooks: why we change it; DEPENDS: what we rely on (one line)
     native_in: str | None  # upstream release where the behaviour became native
     process: Process
@@ -106,6 +111,10 @@ class Entry:
     # DEPENDS, those that run the target or our mirror of it (the hash itself
     # is checked by tests/test_manifest.py).
     tests: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.sha256 is None:
+            object.__setattr__(self, "sha256", pins.hashes(self.target))
 
     @property
     def name(self) -> str:
@@ -148,7 +157,7 @@ HOOKS: tuple[Entry, ...] = (
     Entry(
         target=f"{_SCHED}._build_hisparse_decode_batch",
         kind=Kind.SOURCE_PATCH,
-        sha256={"0.5.13": "7c899bd9aeef7487132b4a4d01dc802c971bb059244ad468bb4c93128ac6c352"},
+        sha256=None,
         why=(
             "0.5.13 builds the staged-to-decode batch without req_pool_indices_cpu; "
             "the first decode step then indexes None in the eager backup "
@@ -179,7 +188,7 @@ HOOKS: tuple[Entry, ...] = (
     Entry(
         target=f"{_HISPARSE_HOOK}.validate_hisparse",
         kind=Kind.REPLACE,
-        sha256={"0.5.13": "3e02dbb17e53162f30d19c6c530ed1a55e4da4709d2081fbe652f8b148f7e625"},
+        sha256=None,
         why=(
             "0.5.13 checks only the model class, radix cache, KV dtype and DSA "
             "backend (with asserts). It accepts invalid --hisparse-config JSON, "
@@ -215,7 +224,7 @@ HOOKS: tuple[Entry, ...] = (
     Entry(
         target=f"{_HISPARSE_HOOK}.apply_hisparse_dsa_backend_defaults",
         kind=Kind.REPLACE,
-        sha256={"0.5.13": "3aecab7831a2e57a782c3ff4413d8a16c3de26bc5119049d67361a1a04e986ce"},
+        sha256=None,
         why=(
             "Same defaults as 0.5.13 (bfloat16 -> flashmla_sparse, fp8_e4m3 -> "
             "flashmla_kv). Replaced so the backend we default to and the backend "
@@ -246,7 +255,7 @@ HOOKS: tuple[Entry, ...] = (
     Entry(
         target=f"{_FACTORY}.parse_hisparse_config",
         kind=Kind.REPLACE,
-        sha256={"0.5.13": "be442b0734f70694cf93a059ba0ebd09668cc0d4e57aa014bc25a928c7e33970"},
+        sha256=None,
         why=(
             "The pools, allocator and coordinator read --hisparse-config here. "
             "0.5.13 (via _parse_sparse_config) keeps unknown keys, takes true as "
@@ -280,7 +289,7 @@ HOOKS: tuple[Entry, ...] = (
     Entry(
         target="sglang.srt.mem_cache.hisparse_memory_pool.HiSparseTokenToKVPoolAllocator",
         kind=Kind.REPLACE,
-        sha256={"0.5.13": "8afb746e4d624c2ef5a5840ef918e6d965f8e47ee5f83178f8d34c6ade553593"},
+        sha256=None,
         why=(
             "Dual logical/physical allocator whose available_size() holds back the "
             "hot-buffer growth, newest-token page and host rows live requests still "
@@ -314,7 +323,7 @@ HOOKS: tuple[Entry, ...] = (
     Entry(
         target="sglang.srt.mem_cache.hisparse_memory_pool.HiSparseDSATokenToKVPool",
         kind=Kind.REPLACE,
-        sha256={"0.5.13": "a9821b2028569b6f03269aa8041fd57aba0645f70d40e0fb0913dd5040e640f4"},
+        sha256=None,
         why=(
             "The last native HiSparse class on the DSA data path: the GPU pool whose "
             "latent KV is indexed by physical rows (mapping registered by our "
@@ -345,7 +354,7 @@ HOOKS: tuple[Entry, ...] = (
     Entry(
         target="sglang.srt.managers.hisparse_coordinator.HiSparseCoordinator",
         kind=Kind.REPLACE,
-        sha256={"0.5.13": "3f51fc958a70e5c7f4454e9d48f9c503f963d018b34887423b046dbb4e6b0b8f"},
+        sha256=None,
         why=(
             "Our coordinator: host-wait instead of a crash when the host pool is "
             "exhausted, idempotent release in every state, swap-in through "
@@ -394,7 +403,7 @@ HOOKS: tuple[Entry, ...] = (
     Entry(
         target="sglang.srt.model_executor.model_runner.ModelRunner.max_token_pool_size",
         kind=Kind.PROPERTY,
-        sha256={"0.5.13": "0fed3db012ceee0db596df8aeaf9f046d2f5424ad57b95b098419492da563c7e"},
+        sha256=None,
         why=(
             "0.5.13 caps the max request length at the GPU pool; with HiSparse the "
             "host-backed logical space is the limit."
@@ -410,7 +419,7 @@ HOOKS: tuple[Entry, ...] = (
     Entry(
         target=f"{_SCHED}.abort_request",
         kind=Kind.AROUND,
-        sha256={"0.5.13": "973c6e8ac3b7e869a6f0aacba300954c4a6a34309b8ae76e1d84153afa872ec0"},
+        sha256=None,
         why=(
             "0.5.13 leaks the hot buffer and host rows of an aborted PD-decode "
             "waiting-queue request (and, with our retraction, the host rows a "
@@ -427,7 +436,7 @@ HOOKS: tuple[Entry, ...] = (
     Entry(
         target=f"{_SCHED}.get_next_batch_to_run",
         kind=Kind.AROUND,
-        sha256={"0.5.13": "d197e43e29d9c0b0938065419219defbff416b248216a817f7681d0323652ea2"},
+        sha256=None,
         why=(
             "Parking needs the scheduler's pending prefill work (waiting queue, "
             "chunked request, running batch) where collect_ready_reqs runs: a "
@@ -449,7 +458,7 @@ HOOKS: tuple[Entry, ...] = (
             "PoolStats.get_decode_usage_msg_parts"
         ),
         kind=Kind.AFTER,
-        sha256={"0.5.13": "30094ce30421695185588626cfdc9a84cce5e029a551e97b98fdc22cce9e818e"},
+        sha256=None,
         why=(
             "The decode log line shows only token counts; users need the hit rate, "
             "misses and host traffic to size the hot buffer. The same reading feeds "
@@ -469,7 +478,7 @@ HOOKS: tuple[Entry, ...] = (
             "SchedulerPoolStatsObserver._get_hisparse_token_info"
         ),
         kind=Kind.REPLACE,
-        sha256={"0.5.13": "cc63fb010bd7bfdfd0ae688bf20eb26271040a6718b2fec1c2da5ff1b3dcbf9d"},
+        sha256=None,
         why=(
             "SGLang reads pool stats for every streamed output, i.e. every decode "
             "step, and 0.5.13 adds the HiSparse fields with dataclasses.replace, a "
@@ -493,7 +502,7 @@ HOOKS: tuple[Entry, ...] = (
     Entry(
         target="sglang.srt.mem_cache.hisparse_memory_pool.DeepSeekV4HiSparseTokenToKVPoolAllocator",
         kind=Kind.REPLACE,
-        sha256={"0.5.13": "8f3a6d742c489b80317cecd0140d3136fd215548de4245550698aded197128b8"},
+        sha256=None,
         why=(
             "0.5.13's allocator never frees the C4 rows of a request released before "
             "staging (finished at prefill, aborted, retracted), pins an extra C4 page "
@@ -526,7 +535,7 @@ HOOKS: tuple[Entry, ...] = (
     Entry(
         target="sglang.srt.mem_cache.deepseek_v4_memory_pool.HiSparseC4DevicePool",
         kind=Kind.REPLACE,
-        sha256={"0.5.13": "68fa0abfac4eadd75a1ed0f9a66bb365d5179a66ce1644fd7b0e8ca59eaf9655"},
+        sha256=None,
         why=(
             "The last native HiSparse class on the DeepSeek-V4 path: the C4 pool "
             "that translates compressed write locations to hot-buffer rows through "
@@ -553,7 +562,6 @@ def _depends(
     why: str,
     relied_on_by: tuple[str, ...],
     *,
-    sha256: dict[str, str],
     process: Process = Process.SCHEDULER,
     scope: Scope = Scope.DATA_PLANE,
     tests: tuple[str, ...] = (),
@@ -561,7 +569,7 @@ def _depends(
     return Entry(
         target=target,
         kind=Kind.DEPENDS,
-        sha256=sha256,
+        sha256=None,
         why=why,
         native_in=None,
         process=process,
@@ -588,7 +596,6 @@ DEPENDS: tuple[Entry, ...] = (
             "sglang_hisparse.adapter.hook_registry:install",
             "sglang_hisparse.adapter.hook_registry:rollback",
         ),
-        sha256={"0.5.13": "20d372c788e3b5d3cc53094aab8dda89e7abdcb25480d2ac3cd247f104f03c95"},
         process=Process.BOTH,
         scope=Scope.ALWAYS,
         tests=("tests/test_plugin.py",),
@@ -598,7 +605,6 @@ DEPENDS: tuple[Entry, ...] = (
         "a replaced object is rebound in every module that imported it by name "
         "(rollback walks sys.modules back)",
         ("sglang_hisparse.adapter.hook_registry:rollback",),
-        sha256={"0.5.13": "49c03f76266054fb81be18c81c89419c60716d79bf7857729c2aff0e762d5e61"},
         process=Process.BOTH,
         scope=Scope.ALWAYS,
         tests=("tests/test_plugin.py",),
@@ -608,7 +614,6 @@ DEPENDS: tuple[Entry, ...] = (
         "calls our register() once per process (SGLANG_PLUGINS whitelist), then "
         "apply_hooks() again: a rolled-back hook must not stay registered",
         ("sglang_hisparse.plugin:register", "sglang_hisparse.adapter.hook_registry:rollback"),
-        sha256={"0.5.13": "cd2a423a31293f61ca0e01cfeb4ca9ba554b8be1b464e0130cec49aca18fa89e"},
         process=Process.BOTH,
         scope=Scope.ALWAYS,
         tests=("tests/test_plugin.py", "tests/test_packaging.py"),
@@ -619,7 +624,6 @@ DEPENDS: tuple[Entry, ...] = (
         "calls hisparse_hook.validate_hisparse(self) through a function-local "
         "import (our REPLACE) in the launcher, before any weights load",
         ("sglang_hisparse.adapter.args:validate_hisparse",),
-        sha256={"0.5.13": "652bbd0a9f2af08da14766e50961f0899a7d826827c551f0005e9295e91d73d4"},
         process=Process.LAUNCHER,
         scope=Scope.ALWAYS,
         tests=("tests/test_arg_hooks.py",),
@@ -630,7 +634,6 @@ DEPENDS: tuple[Entry, ...] = (
         "user_set_decode, kv_cache_dtype) with the resolved dtype and skips its "
         "own defaults when it returns True",
         ("sglang_hisparse.adapter.args:apply_hisparse_dsa_backend_defaults",),
-        sha256={"0.5.13": "c8632fcffa7bf64eb9451614e41f01e0143e12b175cdc0e8339d883433302343"},
         process=Process.LAUNCHER,
         scope=Scope.ALWAYS,
         tests=("tests/test_arg_hooks.py",),
@@ -642,7 +645,6 @@ DEPENDS: tuple[Entry, ...] = (
         "graph capture) with 0.5.13's fixed keywords from parse_hisparse_config; "
         "top_k = the model's index_topk",
         (_COORD, "sglang_hisparse.adapter.args:parse_hisparse_config"),
-        sha256={"0.5.13": "614b8f67955d462966efd7759b979ed27fc4dd51cf3795d4b9bd7aad018e803f"},
         scope=Scope.ALWAYS,
     ),
     _depends(
@@ -650,7 +652,6 @@ DEPENDS: tuple[Entry, ...] = (
         "each decode forward calls wait_for_pending_backup() then "
         "num_real_reqs.fill_(batch_size) before graph replay; eager forwards fill again",
         (f"{_COORD}.wait_for_pending_backup", f"{_COUNT}.fill_"),
-        sha256={"0.5.13": "d4ec46d186a0ccc3feea9bf5212cda2ea78671784cc7d92a4d3b1f7ce14ccb3a"},
         tests=("tests/test_coordinator.py",),
     ),
     _depends(
@@ -658,14 +659,12 @@ DEPENDS: tuple[Entry, ...] = (
         "fills num_real_reqs with the captured batch size; the graph keeps the "
         "address of num_real_reqs' tensor, so it must never be reallocated",
         (f"{_COUNT}.fill_",),
-        sha256={"0.5.13": "da9bc954a5b1e14906f08ddbcbc89b9a741d625f9f86c1b36e74c5b6a532c00e"},
     ),
     _depends(
         f"{_GRAPH}.replay_prepare",
         "fills num_real_reqs with the unpadded batch size before each replay "
         "(rows past it are padding the kernel skips)",
         (f"{_COUNT}.fill_",),
-        sha256={"0.5.13": "543a3280f1af16965566c26dcfc5e676b1894a5007e3323c853ebbbc2c2cf00d"},
     ),
     _depends(
         f"{_KV_MIXIN}._init_pools",
@@ -678,7 +677,6 @@ DEPENDS: tuple[Entry, ...] = (
             "sglang_hisparse.pools.allocator_c4:DSV4HiSparseAllocator",
             "sglang_hisparse.adapter.args:parse_hisparse_config",
         ),
-        sha256={"0.5.13": "23bd522f503a62b8a1848f2bc313752cdb3a6ac630dfea77313cdb7dd95323ea"},
         scope=Scope.ALWAYS,
         tests=("tests/test_allocator.py", "tests/test_device_pool.py", "tests/test_dsv4.py"),
     ),
@@ -687,7 +685,6 @@ DEPENDS: tuple[Entry, ...] = (
         "DSA row width: 576 values (bf16: 1152 B), FP8 512 + 512/128*4 + 64*2 = 656 B; "
         "the host pool's item_bytes and doctor's kernel item bytes follow it",
         ("sglang_hisparse.doctor:row_bytes", "sglang_hisparse.pools.host:HiSparseMLAHostPool"),
-        sha256={"0.5.13": "a500fd913abc15ed01cd201ec6fe22ef18781f4f00dab48fef8f6d09d8b8927a"},
         tests=("tests/test_host_pool.py", "tests/test_doctor.py"),
     ),
     _depends(
@@ -697,7 +694,6 @@ DEPENDS: tuple[Entry, ...] = (
             "sglang_hisparse.adapter.args:parse_hisparse_config",
             "sglang_hisparse.pools.allocator_c4:DSV4HiSparseAllocator",
         ),
-        sha256={"0.5.13": "add506a72eefb9df1cb0396b9911f1eb66eac0aea7b60669ff20359613354037"},
         scope=Scope.ALWAYS,
     ),
     # --- the scheduler.
@@ -706,20 +702,17 @@ DEPENDS: tuple[Entry, ...] = (
         "takes the coordinator from tp_worker.model_runner and calls "
         "set_decode_producer_stream(self.forward_stream)",
         (f"{_COORD}.set_decode_producer_stream",),
-        sha256={"0.5.13": "9291dc1025524297e43a348987eb2a907ce254817bd4334e3ef9db075b2a57bc"},
     ),
     _depends(
         f"{_SCHED}.is_fully_idle",
         "the scheduler is not idle while has_ongoing_staging()",
         (f"{_COORD}.has_ongoing_staging",),
-        sha256={"0.5.13": "a49c3c38d4869b2bb891ee2ede09e81b32b807e868879e8a4ea676c96e4e025d"},
     ),
     _depends(
         f"{_SCHED}._get_new_batch_prefill_raw",
         "PrefillAdder built with new_token_ratio_tracker.current, the chunked "
         "request added first, then the waiting queue in policy order",
         (_DEMAND,),
-        sha256={"0.5.13": "51d61d50eb5e2a4025e3da90090ab36f98a08e465447e3c7915776d2a3bd03a4"},
         tests=("tests/test_parking.py",),
     ),
     _depends(
@@ -727,7 +720,6 @@ DEPENDS: tuple[Entry, ...] = (
         "rem_total_token_offset starts at the running requests' expected tokens; "
         "the DSV4 allocator class is looked up by name at call time",
         (_DEMAND, "sglang_hisparse.pools.allocator_c4:DSV4HiSparseAllocator"),
-        sha256={"0.5.13": "d40a779e0ce6862731757476bf9728276b82fcec28e390852e47611735a5ae9e"},
         tests=("tests/test_parking.py", "tests/test_dsv4.py"),
     ),
     _depends(
@@ -735,7 +727,6 @@ DEPENDS: tuple[Entry, ...] = (
         "a running request costs min(max_new_tokens - outputs, CLIP_MAX_NEW_TOKENS) "
         "* new_token_ratio",
         (_DEMAND,),
-        sha256={"0.5.13": "0e6defc9e39d5fcd5ddf12eeb8b1b6e4ac95b79b51af19114d9ffa4dd68091e4"},
         tests=("tests/test_parking.py",),
     ),
     _depends(
@@ -743,21 +734,18 @@ DEPENDS: tuple[Entry, ...] = (
         "a waiting request costs extend_input_len + min(max_new_tokens - outputs, "
         "CLIP_MAX_NEW_TOKENS) + page_size and is admitted while that is < rem_total_tokens",
         (_DEMAND,),
-        sha256={"0.5.13": "894707e54608c255d8ab8b915fce18b3bbf70d76c5ab8d43e703d4a9afac4e20"},
         tests=("tests/test_parking.py",),
     ),
     _depends(
         f"{_ADDER}.rem_total_tokens",
         "admission budget = allocator available_size() + evictable - offset",
         (_DEMAND, f"{_ALLOC}.available_size"),
-        sha256={"0.5.13": "42745a3705c644cdc7489e99236385a6fc05a55b9ac0de238127d2c1cf7b1bbe"},
         tests=("tests/test_parking.py", "tests/test_allocator.py"),
     ),
     _depends(
         f"{_ADDER}.cur_rem_tokens",
         "the per-batch budget reads allocator available_size() the same way",
         (f"{_ALLOC}.available_size",),
-        sha256={"0.5.13": "5b16013192b352d9aef43a5b7a6fd0613d24a05357f72a2b6d4e47bd084d9c48"},
         tests=("tests/test_allocator.py",),
     ),
     # --- batches: decode preparation, retraction.
@@ -766,20 +754,17 @@ DEPENDS: tuple[Entry, ...] = (
         "after alloc_for_decode and seq_lens += 1 calls map_last_loc_to_buffer(seq_lens, "
         "out_cache_loc, req_pool_indices, seq_lens_cpu, req_pool_indices_cpu)",
         (f"{_COORD}.map_last_loc_to_buffer",),
-        sha256={"0.5.13": "ac202a9b1fff8d5b0fe6d5865d155ed418b02fee83506f7a278535f623e231b2"},
     ),
     _depends(
         f"{_BATCH}.check_decode_mem",
         "retraction starts when allocator available_size() < the next step's tokens",
         (f"{_ALLOC}.available_size",),
-        sha256={"0.5.13": "9891a1ab2e5b5bf97e1171adabb9b7c97582f002a0ea1869476b34355b593e37"},
     ),
     _depends(
         f"{_BATCH}.retract_decode",
         "the last request that still does not fit gets to_finish = FINISH_ABORT "
         "before release_req, so retract_req releases it whole",
         (f"{_RETAIN}.retains",),
-        sha256={"0.5.13": "f5d51a3128a2fdeb71865e7518f546032d4bde730130f639e111c8880a632d75"},
         tests=("tests/test_disaggregation.py",),
     ),
     _depends(
@@ -787,7 +772,6 @@ DEPENDS: tuple[Entry, ...] = (
         "retract_req (unless finished), then Req.offload_kv_cache (PD decode), then "
         "release_kv_cache(is_insert=False)",
         (f"{_COORD}.retract_req", f"{_RETAIN}.retract_to_host"),
-        sha256={"0.5.13": "bd3c33a693d14000a73f42dc5de02872dac1961a614f52cb8dab9a320b5f8a43"},
         tests=("tests/test_disaggregation.py",),
     ),
     _depends(
@@ -795,7 +779,6 @@ DEPENDS: tuple[Entry, ...] = (
         "snapshots req_to_token[: seqlen - 1] through allocator.get_cpu_copy into "
         "req.kv_cache_cpu",
         (f"{_ALLOC}.get_cpu_copy", f"{_RETAIN}.retract_to_host", f"{_RETAIN}.take_retained"),
-        sha256={"0.5.13": "8272b8bf98e4139fe89210081b08861ea9f336f99350ab5f707fde79ecc37dd0"},
         tests=("tests/test_disaggregation.py",),
     ),
     _depends(
@@ -803,7 +786,6 @@ DEPENDS: tuple[Entry, ...] = (
         "hands kv_cache_cpu and req_to_token[: seqlen - 1] to allocator.load_cpu_copy, "
         "then drops kv_cache_cpu",
         (f"{_ALLOC}.load_cpu_copy", f"{_RETAIN}.restore_retained"),
-        sha256={"0.5.13": "289ae8fe62f7b3ba4be8881ee5f9800bf50a6b6999d784add6bd69289b07d5a1"},
         tests=("tests/test_disaggregation.py",),
     ),
     # --- mem_cache/common.py: allocation and release.
@@ -812,14 +794,12 @@ DEPENDS: tuple[Entry, ...] = (
         "evicts, takes backup_state() if asked, then alloc_extend(...); None raises "
         "'Prefill out of memory'",
         (f"{_ALLOC}.alloc_extend",),
-        sha256={"0.5.13": "c534ee94cfb57ce1acf7aefe16b404f6883a40789b1d2c4841151dade995f0a0"},
         tests=("tests/test_allocator.py",),
     ),
     _depends(
         f"{_COMMON}.alloc_paged_token_slots_decode",
         "alloc_decode(seq_lens, seq_lens_cpu, last_loc); None raises 'Decode out of memory'",
         (f"{_ALLOC}.alloc_decode",),
-        sha256={"0.5.13": "1e2713fd34b01cef330ed872f29b5e3c54e2647e8d0d95635e988f9a59ac8cd9"},
         tests=("tests/test_allocator.py",),
     ),
     _depends(
@@ -827,7 +807,6 @@ DEPENDS: tuple[Entry, ...] = (
         "last_loc from req_to_token, alloc, then out_cache_loc written to "
         "req_to_token at seq_lens, before prepare_for_decode maps it",
         (_ALLOC, f"{_COORD}.map_last_loc_to_buffer"),
-        sha256={"0.5.13": "f7786a1c4c5d5da9bff673a8a7b47dbf9994ae7726e8cfff93cda385cf8a9a42"},
         tests=("tests/test_coordinator.py",),
     ),
     _depends(
@@ -835,14 +814,12 @@ DEPENDS: tuple[Entry, ...] = (
         "cache_finished_req frees the request's logical KV, then the request slot; "
         "callers run request_finished first",
         (f"{_COORD}.request_finished", f"{_ALLOC}.free"),
-        sha256={"0.5.13": "95a0c81f463e44a909d482a8488bf668cb1351077debdff0c56be64d27f2c655"},
         tests=("tests/test_coordinator.py", "tests/test_disaggregation.py"),
     ),
     _depends(
         "sglang.srt.mem_cache.chunk_cache.ChunkCache.cache_finished_req",
         "frees req_to_token[: kv_allocated_len] through allocator.free",
         (f"{_ALLOC}.free",),
-        sha256={"0.5.13": "acdbb350c3a9b5357e143b180b6f84cd323ba4d6e5102a037aae2c593edd6c1f"},
         tests=("tests/test_disaggregation.py",),
     ),
     # --- batch results: admission and finish.
@@ -851,33 +828,28 @@ DEPENDS: tuple[Entry, ...] = (
         "admit_request_into_staging after maybe_cache_unfinished_req for a request "
         "that did not finish at prefill; one that did only gets release_kv_cache",
         (f"{_COORD}.admit_request_into_staging",),
-        sha256={"0.5.13": "402826388da0bea920123e5fe3595ec2857265a95eeecf296b28cee38dd578d2"},
     ),
     _depends(
         f"{_BRP}.process_batch_result_decode",
         "frees of a decode step run between allocator free_group_begin/end",
         (f"{_ALLOC}.free",),
-        sha256={"0.5.13": "06021abf92ceb1deecfd007fd63065a1ab1829d713160a399167f7f706f60ad3"},
     ),
     _depends(
         f"{_BRP}._handle_finish_state_updated_req",
         "a finished request gets request_finished before release_kv_cache (without "
         "decode KV offload)",
         (f"{_COORD}.request_finished",),
-        sha256={"0.5.13": "4f1a99f27c9873cce21727f28381026aac2f54b9c6516267b80e2ea7a35b648b"},
     ),
     _depends(
         f"{_BRP}.process_batch_result_prebuilt",
         "PD decode: a request finished in the prebuilt step gets request_finished "
         "before release_kv_cache",
         (f"{_COORD}.request_finished",),
-        sha256={"0.5.13": "72e01158673d20868ee6199194935fbfea4d497b6b42e57be6fc5f32643e801b"},
     ),
     _depends(
         f"{_POOL_STATS}.get_pool_stats",
         "every branch builds a fresh PoolStats just before _get_hisparse_token_info",
         ("sglang_hisparse.adapter.metrics:pool_stats_with_hisparse",),
-        sha256={"0.5.13": "041443c090b285e4980c77aeda84336fd411652582a4d6642eac67c2779a32de"},
         tests=("tests/test_metrics.py",),
     ),
     # --- attention backends: the per-layer swap-in.
@@ -886,7 +858,6 @@ DEPENDS: tuple[Entry, ...] = (
         "the decode page table is swap_in_selected_pages(req_pool_indices, seq_lens, "
         "topk_indices padded to the q rows, layer_id)",
         (f"{_COORD}.swap_in_selected_pages",),
-        sha256={"0.5.13": "5319b97de7004fc5659239d66777d9f7d4492cde74fe6f2ceb6374da0ae3278b"},
     ),
     _depends(
         f"{_DSA}.forward_extend",
@@ -895,7 +866,6 @@ DEPENDS: tuple[Entry, ...] = (
             "sglang_hisparse.pools.device_dsa:"
             "HiSparseDSADevicePool.translate_loc_to_hisparse_device",
         ),
-        sha256={"0.5.13": "d225bd8fd47b6daa536c8adb37dd6c3d4c13dd6fa79c6539d419d0492dfee9c3"},
         tests=("tests/test_device_pool.py",),
     ),
     _depends(
@@ -903,21 +873,18 @@ DEPENDS: tuple[Entry, ...] = (
         "decode/idle with HiSparse forces the unfused top-k: the swap-in reads raw "
         "token positions",
         (f"{_COORD}.swap_in_selected_pages",),
-        sha256={"0.5.13": "cfdd4e7fd2b0b5ed5ccfb11c114cd24754e6e7d9143784bab1e3f844ce1ca638"},
     ),
     _depends(
         "sglang.srt.layers.attention.dsv4.indexer.C4IndexerBackendMixin.forward_c4_indexer",
         "decode: top-k into raw_indices_buffer, then swap_in_selected_pages(keywords) "
         "per compress layer; otherwise the C4 pool's translate_loc_to_hisparse_device",
         (f"{_COORD}.swap_in_selected_pages", "sglang_hisparse.pools.device_c4:DSV4C4DevicePool"),
-        sha256={"0.5.13": "f0ffb36339da63ef67f78d45e7163e223021989331ac454bae6d218e8ddd9ff0"},
     ),
     _depends(
         "sglang.srt.layers.attention.dsv4.compressor_v2.CompressorBackendMixin.forward_unified",
         "the C4 compressor writes through the C4 pool's translate_loc_to_hisparse_device "
         "(found by hasattr) as int32 physical rows",
         ("sglang_hisparse.pools.device_c4:DSV4C4DevicePool.translate_loc_to_hisparse_device",),
-        sha256={"0.5.13": "d0afd4c6fa101b6484b5b945d8d6661a9fe1e9f2a6506c0b56fbc748f9955c98"},
         tests=("tests/test_dsv4.py",),
     ),
     # --- PD decode (disaggregation/decode.py, scheduler_pp_mixin.py).
@@ -929,27 +896,23 @@ DEPENDS: tuple[Entry, ...] = (
             "sglang_hisparse.pools.host:HiSparseMLAHostPool",
             "sglang_hisparse.pools.host:HiSparseC4HostPool",
         ),
-        sha256={"0.5.13": "e52b9db72484f1111eef6a792c9b82ff2203cbdb98d7fcd35c98d0a9a6a4ca36"},
     ),
     _depends(
         f"{_PREALLOC}.pop_preallocated",
         "request budget = hisparse_attn_allocator.available_size() // "
         "padded_buffer_size - transfer queue; indices paged by hisparse_page_size",
         (f"{_ALLOC}.available_size", _COORD),
-        sha256={"0.5.13": "73f52ba8b17bedcf09b74c10d5b872472809a3f474f63c147dcbd64f5a46de39"},
     ),
     _depends(
         f"{_PREALLOC}._allocatable_token_budgets",
         "the PD token budget is logical_attn_allocator.available_size()",
         (f"{_ALLOC}.available_size",),
-        sha256={"0.5.13": "69056c802a7e2f35585b551381e45ac2e182a09d6e39678386651ce1a48b9757"},
     ),
     _depends(
         f"{_PREALLOC}._pre_alloc",
         "fill_len = prompt + max(outputs - 1, 0); alloc_logical_only over it; host "
         "rows from mem_pool_host.alloc_paged_token_slots(..., host_token_len(fill_len))",
         (f"{_ALLOC}.alloc_logical_only", f"{_COORD}.host_token_len", f"{_RETAIN}.restore_retained"),
-        sha256={"0.5.13": "0fcab78dde922189bf7116744c724cb9b08fbdea42472ff62111d648a5a5fad5"},
         tests=("tests/test_disaggregation.py",),
     ),
     _depends(
@@ -957,35 +920,30 @@ DEPENDS: tuple[Entry, ...] = (
         "resumes while the logical budget allows: _pre_alloc (new slot and host rows) "
         "before Req.load_kv_cache",
         (f"{_RETAIN}.restore_retained",),
-        sha256={"0.5.13": "4f1669ca6e8095acb69c9e6606d9fc8868f79af71a55853e61f54a2a83f38d84"},
         tests=("tests/test_disaggregation.py",),
     ),
     _depends(
         f"{_DECODE}.DecodeTransferQueue.pop_transferred",
         "a failed or corrupted transfer gets request_finished before release_kv_cache",
         (f"{_COORD}.request_finished",),
-        sha256={"0.5.13": "42e8f4b8943526779bf7eda9933738dca36620833d043b27986c62870e588ffa"},
     ),
     _depends(
         f"{_DECODE_MIXIN}.process_decode_queue",
         "every transferred request gets admit_request_direct before it joins the "
         "waiting queue",
         (f"{_COORD}.admit_request_direct",),
-        sha256={"0.5.13": "fac17af0baae08fc24cb933c4a29fb585d782e24fe22cdfb73f1bfd5f88488be"},
     ),
     _depends(
         f"{_DECODE_MIXIN}.get_next_disagg_decode_batch_to_run",
         "a prebuilt batch that becomes the running batch gets hisparse_coordinator set "
         "(prepare_for_decode reads it)",
         (f"{_COORD}.map_last_loc_to_buffer",),
-        sha256={"0.5.13": "1aea475aca9214369e3a202421f0e0325d678b8100391fd3fc6efcab1335eba8"},
     ),
     _depends(
         "sglang.srt.managers.scheduler_pp_mixin.SchedulerPPMixin.process_decode_transfer_queue",
         "PP decode: every released request gets admit_request_direct before it joins "
         "the waiting queue",
         (f"{_COORD}.admit_request_direct",),
-        sha256={"0.5.13": "65b174d0b9e1b0b217aa91270dc36dac1f77c25c8bc1013d424559377ad9fd23"},
     ),
 )
 

@@ -96,6 +96,14 @@ def read_pinned_source(target: str, root: Path | None = None) -> PinnedSource:
             ):
                 node = stmt  # last definition wins, as at runtime
         if node is None:
+            if path.name == "__init__.py" and (path.parent / name).is_dir():
+                # The module file is gone (its package is still there), not
+                # a def: name the first missing module.
+                depth = n_mod + qual.index(name) + 1
+                while depth < len(parts) and root.joinpath(*parts[:depth]).is_dir():
+                    depth += 1
+                missing = ".".join(parts[:depth])
+                raise TargetNotFound(f"{target}: no module file for {missing} under {root}")
             raise TargetNotFound(f"{target}: '{name}' not found in {path}")
         body = node.body if isinstance(node, ast.ClassDef) else []
     first = min([node.lineno] + [d.lineno for d in node.decorator_list])

@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sglang_hisparse.pinned_source import PinnedSource
-
-PATCH_ROOT = Path(__file__).resolve().parent / "patches"
+from sglang_hisparse.pins import PATCH_ROOT, pin_dir
 
 _HUNK_HEADER = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 
@@ -32,7 +31,8 @@ class PatchError(RuntimeError):
 
 
 def patch_file(version: str, target: str) -> Path:
-    return PATCH_ROOT / f"sglang-{version}" / f"{target}.diff"
+    # This module's PATCH_ROOT, read at call time (a test points it elsewhere).
+    return pin_dir(version, PATCH_ROOT) / f"{target}.diff"
 
 
 @dataclass

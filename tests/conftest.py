@@ -60,3 +60,18 @@ def run_python(code: str, env: dict | None = None, timeout: int = 300):
         cwd=str(REPO),
     )
     return proc
+
+
+# Other SGLang releases, installed once per session (tests/releases.py).
+@pytest.fixture(scope="session")
+def sglang_0_5_15(tmp_path_factory):
+    from releases import sglang_release
+
+    return sglang_release(tmp_path_factory, "0.5.15")
+
+
+@pytest.fixture(scope="session")
+def sglang_0_5_13_post1(tmp_path_factory):
+    from releases import sglang_release
+
+    return sglang_release(tmp_path_factory, "0.5.13.post1")

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, run_python
+from sglang_hisparse import SUPPORTED_SGLANG_VERSIONS
 from sglang_hisparse.manifest import DEPENDS, ENTRIES, HOOKS, Kind, Process
 from sglang_hisparse.pinned_source import installed_sglang_root, read_pinned_source
 from sglang_hisparse.plugin import check_entry
@@ -95,7 +96,7 @@ def test_every_depends_entry_is_hash_only_and_says_what_relies_on_it():
         assert e.impl is None and e.kind is Kind.DEPENDS, e.target
         assert e.relied_on_by, e.target
         assert e.why and "\n" not in e.why and len(e.why) < 200, e.target
-        assert set(e.sha256) == {PIN}, e.target
+        assert set(e.sha256) == set(SUPPORTED_SGLANG_VERSIONS), e.target
 
 
 def test_impls_and_relied_on_by_resolve_in_our_package():
@@ -287,6 +288,17 @@ def test_rebase_sends_a_changed_dependency_to_a_person(changed_pre_alloc):
     assert "1 entry needs a human" in out
     same = _rebase("--sglang-root", str(changed_pre_alloc))
     assert same.stdout == out
+
+
+def test_rebase_takes_a_dependency_a_person_accepted(changed_pre_alloc, tmp_path):
+    proc = _rebase(str(changed_pre_alloc), "--write", "--accept", PRE_ALLOC, "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert f"  accepted {PRE_ALLOC} (decode.py:" in proc.stdout
+    (pin,) = tmp_path.glob("sglang-*/pin.json")
+    written = json.loads(pin.read_text())["sha256"]
+    assert written[PRE_ALLOC] == read_pinned_source(PRE_ALLOC, changed_pre_alloc).sha256
+    assert written[PRE_ALLOC] != read_pinned_source(PRE_ALLOC).sha256
+    assert {e.target for e in ENTRIES} == set(written)
 
 
 def test_rebase_hash_is_the_loaders_hash():

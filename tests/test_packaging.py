@@ -26,7 +26,8 @@ def test_wheel_layout_and_installed_plugin(tmp_path):
     ep_text = zipfile.ZipFile(wheel).read(ep).decode()
     assert "[sglang.srt.plugins]" in ep_text
     assert "sglang_hisparse = sglang_hisparse.plugin:register" in ep_text
-    for data in list(PKG.glob("jit_csrc/*.cuh")) + list(PKG.glob("patches/*/*.diff")):
+    for data in (list(PKG.glob("jit_csrc/*.cuh")) + list(PKG.glob("patches/*/*.diff"))
+                 + list(PKG.glob("patches/*/pin.json"))):
         assert data.relative_to(REPO).as_posix() in names, data
     # Every module of every subpackage (adapter/, engine/, pools/, kernels/ ...).
     for module in PKG.rglob("*.py"):

@@ -1,0 +1,88 @@
+"""The supported releases as data (patches/sglang-<version>/pin.json): what
+they hold, that the manifest reads its hashes from them, and that the pin of
+0.5.13.post1 is exactly what ``scripts/rebase.py --write`` produces from
+that release's wheel, which doctor then accepts."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import subprocess
+import sys
+
+from conftest import REPO
+from sglang_hisparse import SUPPORTED_SGLANG_VERSIONS, pins
+from sglang_hisparse.manifest import ENTRIES
+from sglang_hisparse.pinned_source import read_pinned_source
+
+POST1 = "0.5.13.post1"
+
+
+def _rebase(*args):
+    return subprocess.run([sys.executable, str(REPO / "scripts" / "rebase.py"), *args],
+                          capture_output=True, text=True, cwd=str(REPO), timeout=600)
+
+
+def test_supported_releases_are_the_pins():
+    assert SUPPORTED_SGLANG_VERSIONS == ("0.5.13", POST1)
+    assert pins.supported_versions() == SUPPORTED_SGLANG_VERSIONS
+    assert pins.version_key("0.5.13") < pins.version_key(POST1) < pins.version_key("0.5.15")
+
+
+def test_every_pin_hashes_every_entry_and_the_manifest_reads_them():
+    targets = {e.target for e in ENTRIES}
+    for version in SUPPORTED_SGLANG_VERSIONS:
+        data = json.loads((pins.pin_dir(version) / pins.PIN_FILE).read_text())
+        assert data["sglang"] == version and data["written_by"] == pins.WRITER
+        assert set(data["sha256"]) == targets, version
+        for e in ENTRIES:
+            assert e.sha256[version] == data["sha256"][e.target]
+    # The installed release (0.5.13) is what its pin says, entry by entry.
+    for e in ENTRIES:
+        assert read_pinned_source(e.target).sha256 == e.sha256["0.5.13"], e.target
+
+
+def test_the_post1_pin_is_what_rebase_writes(sglang_0_5_13_post1, tmp_path):
+    # Without --write nothing is written.
+    dry = _rebase(str(sglang_0_5_13_post1), "--out", str(tmp_path / "dry"))
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    assert not (tmp_path / "dry").exists()
+    assert "0 entries need a human" in dry.stdout
+    assert dry.stdout.count("\n  same     ") == len(ENTRIES)
+
+    proc = _rebase(str(sglang_0_5_13_post1), "--write", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    written, committed = tmp_path / f"sglang-{POST1}", pins.pin_dir(POST1)
+    cmp = filecmp.dircmp(written, committed)
+    assert not (cmp.left_only or cmp.right_only or cmp.diff_files), (
+        cmp.left_only, cmp.right_only, cmp.diff_files)
+    # rebase compares with the newest pin, which is this one: a second run
+    # over the same release is all "same" too.
+    assert json.loads((written / pins.PIN_FILE).read_text())["rebased_from"] == "0.5.13"
+
+
+def test_doctor_accepts_post1(sglang_0_5_13_post1):
+    proc = subprocess.run([sys.executable, "-m", "sglang_hisparse", "doctor",
+                           "--sglang-root", str(sglang_0_5_13_post1)],
+                          capture_output=True, text=True, cwd=str(REPO), timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert f"sglang {POST1}" in out and "supported: yes" in out
+    assert f"{len(ENTRIES)} of {len(ENTRIES)} entries OK" in out
+
+
+def test_rebase_writes_nothing_while_entries_need_a_person(sglang_0_5_15, tmp_path):
+    proc = _rebase(str(sglang_0_5_15), "--write", "--out", str(tmp_path / "pins"))
+    assert proc.returncode == 1
+    assert "nothing written" in proc.stdout
+    assert not (tmp_path / "pins").exists()
+    # A changed dependency names what relies on it and how to take it.
+    assert "re-read our mirror, then --accept it" in proc.stdout
+    # Both allocators moved to their own module in 0.5.15: found by name and
+    # source, offered for a person to confirm.
+    for cls in ("HiSparseTokenToKVPoolAllocator", "DeepSeekV4HiSparseTokenToKVPoolAllocator"):
+        (line,) = [ln for ln in proc.stdout.splitlines()
+                   if ln.strip().startswith(f"moved?   sglang.srt.mem_cache.allocator.hisparse.{cls} ")]
+        assert float(line.split(", ")[-1].split()[0]) > 0.9, line
+    # A module that is gone is named as such, not as a missing def.
+    assert "no module file for sglang.srt.model_executor.cuda_graph_runner" in proc.stdout
