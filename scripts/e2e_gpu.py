@@ -147,6 +147,9 @@ CONFIGS = ("base", "native", "ours", "nopark", "noio", "stock", "ref")
 CHECK_EXPECT = {"ours": "exact", "nopark": "exact", "noio": "mismatch"}
 CHECK_ENV = "SGLANG_HISPARSE_CHECK"
 SYNTHETIC_ENV = "SGLANG_HISPARSE_SYNTHETIC_TOPK"
+# Where --synthetic reaches: this work tree's data plane, and SGLang's own
+# through the plugin's native-mode hook (adapter/native.py).
+SYNTHETIC_CONFIGS = ("ours", "nopark", "noio", "native")
 
 
 STEP_TIMER_DIR = Path(__file__).resolve().parent / "steptimer"
@@ -213,7 +216,7 @@ def server_cmd(model: str, port: int, config: str, extra: list[str],
         args += ["--enable-hisparse", "--hisparse-config", json.dumps(hs_config or HS_CONFIG)]
     if check and config not in ("base", "stock"):
         env[CHECK_ENV] = "1"
-    if synthetic and config in CHECK_EXPECT:  # this work tree's data plane only
+    if synthetic and config in SYNTHETIC_CONFIGS:
         env[SYNTHETIC_ENV] = synthetic
     if config == "ref":
         # The other copy first; no entry that would give this work tree's
@@ -658,7 +661,7 @@ def main() -> int:
     ap.add_argument("--hisparse-config", default=None, metavar="JSON",
                     help=f"--hisparse-config for the HiSparse servers (default {json.dumps(HS_CONFIG)})")
     ap.add_argument("--synthetic", default=None, metavar="SPEC",
-                    help=f"{SYNTHETIC_ENV}=SPEC in ours/nopark/noio (e.g. 'calibrated'): a "
+                    help=f"{SYNTHETIC_ENV}=SPEC in {'/'.join(SYNTHETIC_CONFIGS)} (e.g. 'calibrated'): a "
                          "benchmark-only top-k of known locality in place of the indexer's; "
                          "outputs invalid, so no logprob comparison is made for them")
     ap.add_argument("--geometry", default=None, choices=("tiny", "v32"),
@@ -795,7 +798,7 @@ def main() -> int:
         earlier = json.loads(Path(args.baseline_json).read_text())["runs"]["base"]
         results["base"] = {w: earlier.get(w, []) for w in workloads}
         configs = ["base"] + configs
-    invalid = ("noio",) + (tuple(CHECK_EXPECT) if args.synthetic else ())
+    invalid = ("noio",) + (SYNTHETIC_CONFIGS if args.synthetic else ())
     summary = summarize(results, configs, workloads, args.margin, args.tol, invalid)
     decode = summarize_decode(results, configs, workloads)
     if args.step_timer:

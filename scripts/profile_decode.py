@@ -255,7 +255,7 @@ def main(argv=None) -> int:
                     help="comma-separated configurations, profiled one after another; "
                          "NAME:N sends that one N requests instead of --reqs (base holds fewer)")
     ap.add_argument("--synthetic", default=None, metavar="SPEC",
-                    help="SGLANG_HISPARSE_SYNTHETIC_TOPK=SPEC in ours/nopark/noio (e.g. calibrated)")
+                    help="SGLANG_HISPARSE_SYNTHETIC_TOPK=SPEC in ours/nopark/noio/native (e.g. calibrated)")
     ap.add_argument("--hisparse-config", default=None, metavar="JSON")
     ap.add_argument("--model", default=os.environ.get("TINY_DSV32", ".gpu/tiny-dsv32"))
     ap.add_argument("--reqs", type=int, default=1)

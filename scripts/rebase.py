@@ -16,6 +16,8 @@ download`` wheel unzipped). For every manifest entry this prints one of:
             is called by it (printed after "relied on by"); once they have,
             ``--accept TARGET`` takes its new hash
   accepted  such a target, taken with --accept
+  new       refreshing an existing pin (DIR is that release): an entry added
+            since the pin was written; its hash is taken from DIR
   gone      a DEPENDS target vanished: the same, and the entry is retargeted
 
 With ``--write``, and only when no entry is left for a person, it writes the
@@ -167,10 +169,13 @@ def _relied_on_by(entry) -> str:
 
 def rebase(root: Path, write: bool, accept: tuple[str, ...] = (), out: Path | None = None) -> int:
     new = sglang_version(root)
-    # From the newest pin before the new release (the newest of all when
-    # there is none before it).
+    # A pin that exists is refreshed against itself (keeping where it came
+    # from); a new release is rebased from the newest pin before it (the
+    # newest of all when there is none before it).
     older = [v for v in SUPPORTED_SGLANG_VERSIONS if pins.version_key(v) < pins.version_key(new)]
-    old = (older or SUPPORTED_SGLANG_VERSIONS)[-1]
+    refresh = new in SUPPORTED_SGLANG_VERSIONS
+    old = new if refresh else (older or SUPPORTED_SGLANG_VERSIONS)[-1]
+    rebased_from = pins.pin(new)["rebased_from"] if refresh else old
     out = Path(out) if out is not None else pins.PATCH_ROOT
     print(f"rebasing the {old} manifest onto sglang {new} at {root}")
     hashes: dict[str, str] = {}
@@ -189,6 +194,17 @@ def rebase(root: Path, write: bool, accept: tuple[str, ...] = (), out: Path | No
             else:
                 print(f"  review   {e.target}: {exc}{moved}")
             needs_human += 1
+            continue
+        if old not in e.sha256:
+            if not refresh or e.kind is Kind.SOURCE_PATCH:
+                # Added since the old pin was written: refresh that pin first
+                # (the entry was written against one of the pinned sources).
+                print(f"  review   {e.target}: no hash in the {old} pin; refresh it first "
+                      f"(rebase.py onto {old} --write)")
+                needs_human += 1
+                continue
+            print(f"  new      {e.target} ({src.path.name}:{src.first_line})")
+            hashes[e.target] = src.sha256
             continue
         if src.sha256 == e.sha256.get(old):
             print(f"  same     {e.target}")
@@ -250,7 +266,7 @@ def rebase(root: Path, write: bool, accept: tuple[str, ...] = (), out: Path | No
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
         print(f"wrote {path}")
-    print(f"wrote {pins.write_pin(new, old, hashes, out)} ({len(hashes)} targets)")
+    print(f"wrote {pins.write_pin(new, rebased_from, hashes, out)} ({len(hashes)} targets)")
     return 0
 
 

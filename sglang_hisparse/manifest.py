@@ -67,6 +67,9 @@ class Scope(str, enum.Enum):
     # Our data plane (coordinator, allocator, pools, kernels). Skipped when
     # SGLANG_HISPARSE_NATIVE=1 asks for SGLang's own HiSparse with fixes only.
     DATA_PLANE = "data_plane"
+    # Only in that comparison mode: what lets SGLang's own data plane be
+    # measured like ours (never installed beside our data plane).
+    NATIVE = "native"
 
 
 class Process(str, enum.Enum):
@@ -554,6 +557,24 @@ HOOKS: tuple[Entry, ...] = (
         ),
         tests=("tests/test_dsv4.py",),
     ),
+    # --- the native comparison mode (SGLANG_HISPARSE_NATIVE=1) only.
+    Entry(
+        target="sglang.srt.managers.hisparse_coordinator.HiSparseCoordinator.swap_in_selected_pages",
+        kind=Kind.AROUND,
+        sha256=None,
+        why=(
+            "Benchmark-only: SGLANG_HISPARSE_SYNTHETIC_TOPK replaces the indexer's top-k "
+            "before SGLang's own swap-in as it does before ours, so the native comparison "
+            "sees the same trace (its entries are distinct, as that kernel assumes). "
+            "Without the switch it passes every call through."
+        ),
+        native_in=None,
+        impl="sglang_hisparse.adapter.native:native_swap_in_selected_pages",
+        scope=Scope.NATIVE,
+        removal="with the native comparison mode",
+        process=Process.SCHEDULER,
+        tests=("tests/test_synthetic_top_k.py",),
+    ),
 )
 
 
@@ -951,6 +972,7 @@ ENTRIES: tuple[Entry, ...] = HOOKS + DEPENDS
 
 
 def entries_for(native_only: bool) -> tuple[Entry, ...]:
-    if native_only:
-        return tuple(e for e in ENTRIES if e.scope is Scope.ALWAYS)
-    return ENTRIES
+    """What one mode installs and checks: ours (ALWAYS + DATA_PLANE) or the
+    native comparison (ALWAYS + NATIVE)."""
+    skip = Scope.DATA_PLANE if native_only else Scope.NATIVE
+    return tuple(e for e in ENTRIES if e.scope is not skip)

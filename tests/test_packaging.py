@@ -52,12 +52,13 @@ def test_wheel_layout_and_installed_plugin(tmp_path):
         load_plugins()
         import sglang_hisparse, sglang_hisparse.plugin as plugin
         import sglang_hisparse.adapter.hook_registry as hook_registry
-        from sglang_hisparse.manifest import ENTRIES
+        from sglang_hisparse.manifest import entries_for
         act = plugin.current_activation()
         print(json.dumps(dict(path=sglang_hisparse.__file__,
                               adapter=hook_registry.__file__,
                               applied=act.applied, error=act.error,
-                              checked=len(act.checks), entries=len(ENTRIES))))
+                              checked=len(act.checks),
+                              entries=len(entries_for(native_only=False)))))
         """ % str(REPO),
         env={"PYTHONPATH": str(site)},
     )
@@ -65,4 +66,4 @@ def test_wheel_layout_and_installed_plugin(tmp_path):
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert res["path"].startswith(str(site)) and res["adapter"].startswith(str(site)), res
     assert res["applied"], res["error"]
-    assert res["checked"] == res["entries"]  # hooks and DEPENDS alike
+    assert res["checked"] == res["entries"]  # this mode's hooks and DEPENDS alike

@@ -7,6 +7,7 @@ interpreter and reports back as JSON on its last output line.
 import json
 
 from conftest import run_python
+from sglang_hisparse.pinned_source import sglang_version
 
 TARGET = "sglang.srt.managers.scheduler.Scheduler._build_hisparse_decode_batch"
 
@@ -51,14 +52,16 @@ def test_load_plugins_activates_once_and_is_idempotent():
         """
     )
     res = _last_json(proc)
-    assert res["applied"] and res["version"] == "0.5.13"
+    assert res["applied"] and res["version"] == sglang_version()
     assert res["changed"] and res["stable"] and res["wraps_original"], res
-    # Every hook is registered with SGLang (beside other installed plugins'
-    # hooks); DEPENDS entries install nothing.
-    from sglang_hisparse.manifest import DEPENDS, HOOKS, Kind
+    # Every hook of this mode is registered with SGLang (beside other
+    # installed plugins' hooks), none of the native comparison's; DEPENDS
+    # entries install nothing.
+    from sglang_hisparse.manifest import DEPENDS, HOOKS, Kind, Scope
 
-    ours = {e.target for e in HOOKS if e.kind is not Kind.PROPERTY}
+    ours = {e.target for e in HOOKS if e.kind is not Kind.PROPERTY and e.scope is not Scope.NATIVE}
     assert ours <= set(res["registered"])
+    assert not {e.target for e in HOOKS if e.scope is Scope.NATIVE} & set(res["registered"])
     assert not {e.target for e in DEPENDS} & set(res["registered"])
     assert len(res["depends_hooks"]) == len(DEPENDS) and not any(res["depends_hooks"])
 
@@ -167,8 +170,9 @@ import json, pathlib, tempfile, dataclasses
 import sglang_hisparse.source_patch as source_patch
 from sglang_hisparse.manifest import ENTRIES, Entry, Kind, Process
 from sglang_hisparse.plugin import activate
-from sglang_hisparse.pinned_source import read_pinned_source
+from sglang_hisparse.pinned_source import read_pinned_source, sglang_version
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+V = sglang_version()  # the installed pin
 import sglang.srt.managers.scheduler as sched_mod
 from sglang.srt.managers.scheduler import Scheduler
 
@@ -189,15 +193,15 @@ results["unsupported"] = dict(applied=act.applied, error=act.error, untouched=un
 
 bad_hash = Entry(
     target="sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run",
-    kind=Kind.AFTER, sha256={"0.5.13": "0" * 64}, why="test", native_in=None,
+    kind=Kind.AFTER, sha256={V: "0" * 64}, why="test", native_in=None,
     process=Process.SCHEDULER, impl="builtins:print")
 act = activate(entries=(good, bad_hash))
 results["bad_hash"] = dict(applied=act.applied, error=act.error, untouched=untouched())
 
 tmp = pathlib.Path(tempfile.mkdtemp())
-(tmp / "sglang-0.5.13").mkdir()
-diff = source_patch.patch_file("0.5.13", TARGET).read_text()
-(tmp / "sglang-0.5.13" / f"{TARGET}.diff").write_text(
+(tmp / f"sglang-{V}").mkdir()
+diff = source_patch.patch_file(V, TARGET).read_text()
+(tmp / f"sglang-{V}" / f"{TARGET}.diff").write_text(
     diff.replace("batch.req_pool_indices = torch.tensor(", "batch.req_pool_idx = torch.tensor("))
 real_root = source_patch.PATCH_ROOT
 source_patch.PATCH_ROOT = tmp
@@ -209,7 +213,7 @@ results["stale_hunk"] = dict(applied=act.applied, error=act.error, untouched=unt
 # class): the entry before it had already been applied and must be rolled back.
 cls_target = "sglang.srt.managers.scheduler.Scheduler"
 bad_kind = Entry(target=cls_target, kind=Kind.AFTER,
-                 sha256={"0.5.13": read_pinned_source(cls_target).sha256},
+                 sha256={V: read_pinned_source(cls_target).sha256},
                  why="test", native_in=None, process=Process.SCHEDULER, impl="builtins:print")
 act = activate(entries=(good, bad_kind))
 results["rollback"] = dict(applied=act.applied, error=act.error, untouched=untouched())

@@ -36,10 +36,11 @@ def test_trace_shape():
     assert a.dtype == torch.int32 and a.shape == (2, TOPK)
     # the newest positions first
     assert a[0, :32].tolist() == list(range(19999, 19967, -1))
-    # older entries inside the context before the window (a short sequence
-    # repeats positions: the swap-in serves duplicates from their first entry)
+    # older entries inside the context before the window; a short sequence
+    # has fewer older positions than entries: the rest are -1
     assert int(a[0, 32:].min()) >= 0 and int(a[0, 32:].max()) < 20000 - 32
-    assert int(a[1, :32].min()) == 100 - 32 and int(a[1].max()) == 99 and int(a[1].min()) >= 0
+    assert int(a[1, :32].min()) == 100 - 32 and int(a[1].max()) == 99
+    assert int((a[1] >= 0).sum()) <= 100 and bool((a[1, 32 + 100:] == -1).all())
     # a pure function of (slot, length, layer): same inputs, same trace;
     # another layer or slot, another one
     assert torch.equal(a, st.reference(rpi, seq, 7, TOPK, trace))
@@ -50,6 +51,11 @@ def test_trace_shape():
     moved = int((a[0, 32:] != b[0, 32:]).sum())
     assert abs(moved - (TOPK - 32) / 4) < 0.2 * (TOPK - 32) / 4
     assert b[0, 0] == 20000
+    # no position twice in a row, at any length
+    for L in (100, 2100, 20000, 20001, 131072):
+        row = st.reference(rpi[:1], torch.tensor([L]), 7, TOPK, trace)[0]
+        valid = row[row >= 0]
+        assert valid.unique().numel() == valid.numel(), L
     # bias leans the moved entries to recent positions
     flat = st.reference(rpi[:1], seq[:1], 7, TOPK, st.SyntheticTrace(4, 32, 1))
     lean = st.reference(rpi[:1], seq[:1], 7, TOPK, st.SyntheticTrace(4, 32, 4))
@@ -106,3 +112,34 @@ def test_calibration_on_the_kernel():
     gpu = st.simulate_miss_rate(st.CALIBRATED, steps=60, warmup=60, device="cuda")
     cpu = st.simulate_miss_rate(st.CALIBRATED, steps=60, warmup=60)
     assert gpu == cpu
+
+
+def test_native_comparison_mode_gets_the_same_trace(monkeypatch):
+    """The NATIVE-scope AROUND hook on SGLang's own swap-in substitutes the
+    trace (and only in that mode); without the switch it passes through."""
+    from types import SimpleNamespace
+
+    from sglang_hisparse.adapter import native
+    from sglang_hisparse.manifest import Scope, entries_for
+
+    (entry,) = [e for e in entries_for(native_only=True) if e.scope is Scope.NATIVE]
+    assert entry.impl == "sglang_hisparse.adapter.native:native_swap_in_selected_pages"
+    assert entry not in entries_for(native_only=False)
+
+    seen = []
+
+    def original(self, req_pool_indices, compressed_seq_lens, top_k_result, layer_id):
+        seen.append(top_k_result.clone())
+        return "rows"
+
+    coord = SimpleNamespace(top_k_device_locs_buffer=torch.full((4, TOPK), -1, dtype=torch.int32))
+    rpi, seq = torch.tensor([1, 2]), torch.tensor([30000, 9000])
+    indexer = torch.zeros((2, TOPK), dtype=torch.int32)
+    for spec, want in (("", indexer), ("calibrated", st.reference(rpi, seq, 5, TOPK, st.CALIBRATED))):
+        monkeypatch.setenv("SGLANG_HISPARSE_SYNTHETIC_TOPK", spec)
+        native._trace.cache_clear()
+        got = native.native_swap_in_selected_pages(
+            original, coord, req_pool_indices=rpi, compressed_seq_lens=seq, top_k_result=indexer,
+            layer_id=5)
+        assert got == "rows" and torch.equal(seen[-1], want), spec
+    native._trace.cache_clear()

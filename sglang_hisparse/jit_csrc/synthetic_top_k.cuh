@@ -5,15 +5,20 @@
 // length), so it needs no state, replays inside CUDA graphs and is the same
 // for every configuration given the same requests.
 //
-// Entry j of a row (request slot r, sequence length L, layer l):
+// Entry j of a row (request slot r, sequence length L, layer l), S = top_k -
+// recent older entries:
 //   j <  recent: the position L - 1 - j (the newest tokens), -1 when negative;
-//   j >= recent: a position that stays put for `period` steps. Entry j's
-//     epochs start at phase(j) = mix(seed, layer, j) % period, so 1/period of
-//     the entries move each step. In epoch e = (L + phase) / period, begun at
-//     length Le = e * period - phase (<= L), the entry holds
-//     ((Le - recent) * max_d u_d) >> 24, u_d = mix(seed, layer, r, j, e, d) >> 8
-//     for d < bias: the maximum of `bias` uniforms leans towards recent
-//     positions (bias 1: uniform over the older context). -1 when Le <= recent.
+//   j >= recent: i = j - recent holds a position that stays put for `period`
+//     steps. Entry j's epochs start at phase(j) = mix(seed, layer, j) % period,
+//     so 1/period of the entries move each step. In epoch e = (L + phase) /
+//     period, begun at length Le = e * period - phase (<= L), the entry holds
+//     i + S * m, m = (M * max_d u_d) >> 24 with M = ceil((Le - recent - i) / S)
+//     and u_d = mix(seed, layer, r, j, e, d) >> 8 for d < bias: a position
+//     below Le - recent (older than the window) that is i modulo S, so no
+//     two entries ever name one position (kernels that assume distinct
+//     entries, e.g. 0.5.13's own swap-in, can take the trace). The maximum of
+//     `bias` uniforms leans towards recent positions (bias 1: none). -1 when
+//     Le - recent <= i.
 // Integer arithmetic only, so the torch version in
 // kernels/synthetic_top_k.py produces the same bits.
 #pragma once
@@ -73,12 +78,15 @@ __global__ void __launch_bounds__(kThreads) synthetic_top_k_kernel(const __grid_
       const int64_t phase = synthetic_mix(p.layer_key ^ static_cast<uint32_t>(j) ^ 0x9e3779b9U) % p.period;
       const int64_t epoch = (L + phase) / p.period;
       const int64_t span = epoch * p.period - phase - p.recent;
+      const int64_t stride = p.top_k - p.recent;  // > 0: j >= recent here
+      const int64_t i = j - p.recent;
       uint32_t u = 0;
       const uint32_t epoch_key = synthetic_mix(entry_key ^ static_cast<uint32_t>(epoch));
       for (int d = 0; d < p.bias; ++d) {
         u = max(u, synthetic_mix(epoch_key ^ static_cast<uint32_t>(d)) >> 8);
       }
-      pos = span > 0 ? (span * static_cast<int64_t>(u)) >> 24 : -1;
+      const int64_t rows = span > i ? (span - i + stride - 1) / stride : 0;
+      pos = rows > 0 ? i + stride * ((rows * static_cast<int64_t>(u)) >> 24) : -1;
     }
     row[j] = pos >= 0 ? static_cast<int32_t>(pos) : -1;
   }
