@@ -8,6 +8,7 @@ from __future__ import annotations
 import filecmp
 import json
 import subprocess
+import textwrap
 import sys
 
 from conftest import REPO
@@ -86,3 +87,37 @@ def test_rebase_writes_nothing_while_entries_need_a_person(sglang_0_5_15, tmp_pa
         assert float(line.split(", ")[-1].split()[0]) > 0.9, line
     # A module that is gone is named as such, not as a missing def.
     assert "no module file for sglang.srt.model_executor.cuda_graph_runner" in proc.stdout
+
+
+def test_refreshing_a_pin_takes_a_new_entry_and_a_rebase_refuses_it(tmp_path, sglang_0_5_15):
+    """An entry added to the manifest gets its hash by refreshing each pin
+    against its own release (``new``); rebasing onto another release first
+    is refused for it (the old pin has no hash to compare with)."""
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(REPO / "scripts")!r})
+        from pathlib import Path
+        import rebase
+        from sglang_hisparse.manifest import Entry, Kind, Process
+        from sglang_hisparse.pinned_source import installed_sglang_root
+        added = Entry(target="sglang.srt.managers.scheduler.Scheduler.run_batch",
+                      kind=Kind.AFTER, sha256=None, why="test", native_in=None,
+                      process=Process.SCHEDULER, impl="builtins:print")
+        assert added.sha256 == {{}}  # in no pin yet
+        rebase.ENTRIES = rebase.ENTRIES + (added,)
+        rc = rebase.rebase(installed_sglang_root(), True, (), Path({str(tmp_path)!r}))
+        print("RC", rc)
+        rc = rebase.rebase(Path({str(sglang_0_5_15)!r}), False)
+        print("RC", rc)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=str(REPO), timeout=600)
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr[-3000:]
+    assert "  new      sglang.srt.managers.scheduler.Scheduler.run_batch (scheduler.py:" in out
+    assert out.split("RC ")[1].startswith("0")
+    written = json.loads((tmp_path / "sglang-0.5.13" / pins.PIN_FILE).read_text())
+    assert "sglang.srt.managers.scheduler.Scheduler.run_batch" in written["sha256"]
+    assert written["rebased_from"] is None  # a refresh keeps where the pin came from
+    assert ("  review   sglang.srt.managers.scheduler.Scheduler.run_batch: no hash in the "
+            "0.5.13.post1 pin; refresh it first") in out
