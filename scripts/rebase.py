@@ -19,6 +19,10 @@ download`` wheel unzipped). For every manifest entry this prints one of:
   new       refreshing an existing pin (DIR is that release): an entry added
             since the pin was written; its hash is taken from DIR
   gone      a DEPENDS target vanished: the same, and the entry is retargeted
+  moved     a target a person placed elsewhere in the new release with
+            ``--moved TARGET=NEW`` (review and gone lines list candidates:
+            definitions of the same name, most alike first); the pin records
+            the place and the loader installs there, the entry keeps its name
 
 With ``--write``, and only when no entry is left for a person, it writes the
 new pin: ``patches/sglang-NEW/pin.json`` (every target's sha256, see
@@ -113,13 +117,13 @@ def _definitions(root: Path) -> list[tuple[str, str, int, str]]:
 _DEFINITIONS: dict = {}
 
 
-def moved_candidates(target: str, root: Path, top: int = 3) -> list[str]:
+def moved_candidates(target: str, root: Path, top: int = 3, old_target: str | None = None) -> list[str]:
     """Where a target that is gone from its module may have gone: definitions
     of the same name (or, failing that, in the same module or class) in the
     new release, most alike first by their source text; for a person to
     confirm, never applied."""
     try:
-        old = read_pinned_source(target)  # the installed (pinned) release
+        old = read_pinned_source(old_target or target)  # the installed (pinned) release
     except TargetNotFound:
         return []
     if str(root) not in _DEFINITIONS:
@@ -145,8 +149,10 @@ def moved_candidates(target: str, root: Path, top: int = 3) -> list[str]:
             for ratio, dotted, name, line in scored[:top] if ratio >= 0.3]
 
 
-def _moved_lines(target: str, root: Path) -> str:
-    return "".join(f"\n           {c}" for c in moved_candidates(target, root))
+def _moved_lines(target: str, root: Path, old_target: str) -> str:
+    lines = moved_candidates(target, root, old_target=old_target)
+    hint = f"\n           (confirm one with --moved {target}=NEW)" if lines else ""
+    return "".join(f"\n           {c}" for c in lines) + hint
 
 
 def print_hashes(targets: list[str], root: Path | None) -> int:
@@ -167,7 +173,8 @@ def _relied_on_by(entry) -> str:
     return "\n".join(f"             relied on by {who}" for who in entry.relied_on_by)
 
 
-def rebase(root: Path, write: bool, accept: tuple[str, ...] = (), out: Path | None = None) -> int:
+def rebase(root: Path, write: bool, accept: tuple[str, ...] = (), out: Path | None = None,
+           moved: dict[str, str] | None = None) -> int:
     new = sglang_version(root)
     # A pin that exists is refreshed against itself (keeping where it came
     # from); a new release is rebased from the newest pin before it (the
@@ -180,19 +187,27 @@ def rebase(root: Path, write: bool, accept: tuple[str, ...] = (), out: Path | No
     print(f"rebasing the {old} manifest onto sglang {new} at {root}")
     hashes: dict[str, str] = {}
     diffs: dict[str, str] = {}  # target -> the new release's diff text
+    locations: dict[str, str] = {}  # target -> where it lives in NEW, when elsewhere
+    moved = dict(moved or {})
     needs_human = 0
     for e in ENTRIES:
         if e.native_in and pins.version_key(e.native_in) <= pins.version_key(new):
             print(f"  drop     {e.target} (native in {e.native_in})")
             continue
+        where_old = pins.release_target(e.target, old)
+        where = moved.pop(e.target, where_old)
+        if where != e.target:
+            locations[e.target] = where
+        if where != where_old:
+            print(f"  moved    {e.target} -> {where} (confirmed with --moved)")
         try:
-            src = read_pinned_source(e.target, root)
+            src = read_pinned_source(where, root)
         except TargetNotFound as exc:
-            moved = _moved_lines(e.target, root)
+            moved_hint = _moved_lines(e.target, root, where_old)
             if e.kind is Kind.DEPENDS:
-                print(f"  gone     {e.target}: {exc}{moved}\n{_relied_on_by(e)}")
+                print(f"  gone     {e.target}: {exc}{moved_hint}\n{_relied_on_by(e)}")
             else:
-                print(f"  review   {e.target}: {exc}{moved}")
+                print(f"  review   {e.target}: {exc}{moved_hint}")
             needs_human += 1
             continue
         if old not in e.sha256:
@@ -227,7 +242,7 @@ def rebase(root: Path, write: bool, accept: tuple[str, ...] = (), out: Path | No
             print(f"  review   {e.target}: source changed ({src.path.name}:{src.first_line})")
             needs_human += 1
             continue
-        installed = read_pinned_source(e.target)  # re-anchoring needs the old release's text
+        installed = read_pinned_source(where_old)  # re-anchoring needs the old release's text
         if installed.sha256 != e.sha256.get(old):
             print(f"  review   {e.target}: the installed sglang is not the {old} pin; "
                   "install it to re-anchor the patch")
@@ -255,6 +270,9 @@ def rebase(root: Path, write: bool, accept: tuple[str, ...] = (), out: Path | No
         )
         print(f"  reapply  {e.target}")
         hashes[e.target] = src.sha256
+    for target in moved:
+        print(f"  --moved {target}: not a manifest target")
+        needs_human += 1
     print(f"\n{needs_human} entr{'y needs' if needs_human == 1 else 'ies need'} a human")
     if not write:
         return 1 if needs_human else 0
@@ -266,7 +284,7 @@ def rebase(root: Path, write: bool, accept: tuple[str, ...] = (), out: Path | No
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
         print(f"wrote {path}")
-    print(f"wrote {pins.write_pin(new, rebased_from, hashes, out)} ({len(hashes)} targets)")
+    print(f"wrote {pins.write_pin(new, rebased_from, hashes, out, locations)} ({len(hashes)} targets)")
     return 0
 
 
@@ -280,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
                          "ROOT/sglang-NEW/ when no entry needs a person")
     ap.add_argument("--accept", nargs="+", default=(), metavar="TARGET",
                     help="changed DEPENDS targets whose relied-on code a person has re-read")
+    ap.add_argument("--moved", nargs="+", default=(), metavar="TARGET=NEW",
+                    help="a manifest target that lives at NEW in this release (as the "
+                         "moved? lines suggest, once a person has confirmed it)")
     ap.add_argument("--out", type=Path, default=None, metavar="ROOT",
                     help="where pins are written (default: the package's patches/)")
     ap.add_argument("--hash", nargs="+", metavar="TARGET", default=None,
@@ -293,7 +314,13 @@ def main(argv: list[str] | None = None) -> int:
         return print_hashes(args.hash, root)
     if root is None:
         ap.error("the new release's directory is required (DIR or --sglang-root DIR)")
-    return rebase(root, args.write, tuple(args.accept), args.out)
+    moved = {}
+    for pair in args.moved:
+        target, sep, where = pair.partition("=")
+        if not sep or not target or not where:
+            ap.error(f"--moved takes TARGET=NEW, got {pair!r}")
+        moved[target] = where
+    return rebase(root, args.write, tuple(args.accept), args.out, moved)
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ def _wrapped(label: str, text: str) -> list[str]:
 
 
 def entry_lines(entry: Entry, ok: bool, detail: str, version: str,
-                verbose: bool = False) -> list[str]:
+                verbose: bool = False, where: str = "") -> list[str]:
     """What the doctor prints for one entry (the first line is the status line;
     a failure's reason follows it at once, after "->")."""
     lines = [
@@ -63,6 +63,8 @@ def entry_lines(entry: Entry, ok: bool, detail: str, version: str,
     ]
     if not ok:
         lines.append(f"{_INDENT}-> {detail}")
+    if where and where != entry.target:
+        lines.append(f"{_INDENT}{'at':<10}{where} (moved in sglang {version})")
     if entry.kind is Kind.DEPENDS:
         if verbose:
             lines.append(f"{_INDENT}{'impl':<10}hash only")
@@ -128,7 +130,7 @@ def run_doctor(root: Path | None, out=sys.stdout, verbose: bool = False) -> int:
         for entry in entries:
             check = check_entry(entry, ref, root if foreign else None, build=not foreign)
             failures[key] += not check.ok
-            for line in entry_lines(entry, check.ok, check.detail, ref, verbose):
+            for line in entry_lines(entry, check.ok, check.detail, ref, verbose, check.where):
                 print(line, file=out)
     bad = sum(failures.values())
     print(

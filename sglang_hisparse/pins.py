@@ -31,12 +31,14 @@ def version_key(version: str) -> tuple:
                  for p in version.split("."))
 
 
-def pin_dir(version: str, root: Path = PATCH_ROOT) -> Path:
-    return Path(root) / f"sglang-{version}"
+def pin_dir(version: str, root: Path | None = None) -> Path:
+    return Path(PATCH_ROOT if root is None else root) / f"sglang-{version}"
 
 
-def supported_versions(root: Path = PATCH_ROOT) -> tuple[str, ...]:
-    """Every release with a pin, oldest first."""
+def supported_versions(root: Path | None = None) -> tuple[str, ...]:
+    """Every release with a pin, oldest first (``root``: default PATCH_ROOT,
+    read at call time)."""
+    root = PATCH_ROOT if root is None else root
     try:
         names = os.listdir(root)
     except FileNotFoundError:
@@ -48,8 +50,18 @@ def supported_versions(root: Path = PATCH_ROOT) -> tuple[str, ...]:
 
 @functools.cache
 def pin(version: str) -> dict:
-    """The release's ``pin.json``: ``{"sglang", "rebased_from", "written_by", "sha256"}``."""
+    """The release's ``pin.json``: ``{"sglang", "rebased_from", "written_by",
+    "sha256"}`` and, when a release moved targets, ``"moved"``."""
     return json.loads((pin_dir(version) / PIN_FILE).read_text())
+
+
+def release_target(target: str, version: str) -> str:
+    """Where the manifest's ``target`` lives in ``version``: itself, unless
+    that release's pin records it as moved (a person confirmed the move at
+    rebase time). Hashes, patches and doctor lines keep the manifest's name."""
+    if version not in supported_versions():
+        return target
+    return pin(version).get("moved", {}).get(target, target)
 
 
 def hashes(target: str) -> dict[str, str]:
@@ -63,11 +75,13 @@ def hashes(target: str) -> dict[str, str]:
 
 
 def write_pin(version: str, rebased_from: str | None, sha256: dict[str, str],
-              root: Path = PATCH_ROOT) -> Path:
+              root: Path | None = None, moved: dict[str, str] | None = None) -> Path:
     """``pin.json`` for a release (rebase.py's one writer of hashes)."""
     path = pin_dir(version, root) / PIN_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     body = {"sglang": version, "rebased_from": rebased_from, "written_by": WRITER,
             "sha256": dict(sorted(sha256.items()))}
+    if moved:
+        body["moved"] = dict(sorted(moved.items()))
     path.write_text(json.dumps(body, indent=1) + "\n")
     return path

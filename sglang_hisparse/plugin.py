@@ -23,7 +23,7 @@ import pkgutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sglang_hisparse import SUPPORTED_SGLANG_VERSIONS
+from sglang_hisparse import SUPPORTED_SGLANG_VERSIONS, pins
 from sglang_hisparse.config import NATIVE_ENV
 from sglang_hisparse.manifest import Entry, Kind, entries_for
 from sglang_hisparse.pinned_source import (
@@ -51,6 +51,8 @@ class EntryCheck:
     detail: str
     # What to install once every entry passed (None when only checked).
     hook: object | None = None
+    # Where the target lives in this release ("" : the manifest's target).
+    where: str = ""
 
 
 @dataclass
@@ -87,10 +89,11 @@ def check_entry(
     that installing it afterwards cannot fail halfway; without it the check is
     purely textual (the doctor uses that for foreign installs).
     """
+    where = pins.release_target(entry.target, version)
     try:
-        pinned = read_pinned_source(entry.target, root)
+        pinned = read_pinned_source(where, root)
     except TargetNotFound as exc:
-        return EntryCheck(entry, False, f"target not found ({exc})")
+        return EntryCheck(entry, False, f"target not found ({exc})", where=where)
     want = entry.sha256.get(version)
     if want is None:
         return EntryCheck(entry, False, f"no pinned hash for sglang {version}")
@@ -109,14 +112,14 @@ def check_entry(
                 return EntryCheck(entry, False, f"patch file missing: {path}")
             patched = apply_unified_diff(entry.target, pinned.text, path.read_text())
             if build:
-                hook = compile_patched(pinned, patched, _owner_class(entry.target))
+                hook = compile_patched(pinned, patched, _owner_class(where))
         elif build and entry.kind.installs:
             hook = _resolve_impl(entry)
     except PatchError as exc:
         return EntryCheck(entry, False, f"patch does not apply: {exc.reason}")
     except Exception as exc:  # import errors, bad impl paths
         return EntryCheck(entry, False, f"cannot build hook: {type(exc).__name__}: {exc}")
-    return EntryCheck(entry, True, "ok", hook)
+    return EntryCheck(entry, True, "ok", hook, where=where)
 
 
 def _install(checks: list[EntryCheck]) -> list[str]:
@@ -124,7 +127,7 @@ def _install(checks: list[EntryCheck]) -> list[str]:
     from sglang_hisparse.adapter import hook_registry
 
     return hook_registry.install(
-        hook_registry.Install(c.entry.target, c.entry.kind, c.hook) for c in checks
+        hook_registry.Install(c.where or c.entry.target, c.entry.kind, c.hook) for c in checks
     )
 
 

@@ -75,3 +75,10 @@ def sglang_0_5_13_post1(tmp_path_factory):
     from releases import sglang_release
 
     return sglang_release(tmp_path_factory, "0.5.13.post1")
+
+
+@pytest.fixture(scope="session")
+def sglang_0_5_17(tmp_path_factory):
+    from releases import sglang_release
+
+    return sglang_release(tmp_path_factory, "0.5.17")

@@ -34,3 +34,33 @@ def sglang_release(tmp_path_factory, version: str):
         pytest.skip(f"sglang {version} not reachable from the package index: {last}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     return target
+
+
+def overlay_release(tmp_path, files: dict):
+    """A copy of the installed SGLang made of symlinks, with ``files``
+    ({path relative to site-packages: text}) written in (new or replacing)."""
+    from pathlib import Path
+
+    from sglang_hisparse.pinned_source import installed_sglang_root
+
+    real = installed_sglang_root()
+    root = Path(tmp_path) / "site"
+    root.mkdir(parents=True)
+    for dist in real.glob("sglang-*.dist-info"):  # for sglang_version(root)
+        (root / dist.name).symlink_to(dist)
+    for rel, text in files.items():
+        parts = Path(rel).parts
+        src, dst = real, root
+        for part in parts[:-1]:
+            src, dst = src / part, dst / part
+            if dst.is_symlink():  # a sibling linked on the way down: make it real
+                dst.unlink()
+            if not dst.exists():
+                dst.mkdir()
+                for child in src.iterdir():
+                    (dst / child.name).symlink_to(child)
+        target = dst / parts[-1]
+        if target.is_symlink():
+            target.unlink()
+        target.write_text(text)
+    return root

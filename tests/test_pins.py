@@ -121,3 +121,59 @@ def test_refreshing_a_pin_takes_a_new_entry_and_a_rebase_refuses_it(tmp_path, sg
     assert written["rebased_from"] is None  # a refresh keeps where the pin came from
     assert ("  review   sglang.srt.managers.scheduler.Scheduler.run_batch: no hash in the "
             "0.5.13.post1 pin; refresh it first") in out
+
+
+def test_a_moved_target_is_offered_confirmed_and_followed(tmp_path):
+    """A release that moved a dependency to another module: rebase offers
+    the new place, a person confirms it with --moved, the pin records it, and
+    the loader's check reads the target there."""
+    from releases import overlay_release
+
+    from sglang_hisparse.pinned_source import installed_sglang_root
+
+    target = "sglang.srt.mem_cache.common.release_kv_cache"
+    src = read_pinned_source(target)
+    common = src.path.read_text()
+    real = installed_sglang_root()
+    rel = src.path.relative_to(real)
+    root = overlay_release(tmp_path / "release", {
+        str(rel): common.replace(src.text, ""),
+        str(rel.with_name("kv_release.py")): src.text,
+    })
+    new_place = "sglang.srt.mem_cache.kv_release.release_kv_cache"
+
+    first = _rebase(str(root))
+    assert first.returncode == 1
+    assert f"moved?   {new_place} (kv_release.py:1, 1.00 alike)" in first.stdout
+    assert f"(confirm one with --moved {target}=NEW)" in first.stdout
+
+    out = tmp_path / "pins"
+    done = _rebase(str(root), "--moved", f"{target}={new_place}", "--write", "--out", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+    assert f"  moved    {target} -> {new_place}" in done.stdout
+    assert f"  same     {target}\n" in done.stdout  # moved verbatim: the hash carries over
+    written = json.loads((out / "sglang-0.5.13" / pins.PIN_FILE).read_text())
+    assert written["moved"] == {target: new_place}
+
+    # The loader, reading that pin, checks the target at its new place.
+    check = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        from pathlib import Path
+        from sglang_hisparse import pins
+        pins.PATCH_ROOT = Path({str(out)!r}); pins.pin.cache_clear()
+        from sglang_hisparse.manifest import ENTRIES
+        from sglang_hisparse.plugin import check_entry
+        (e,) = [e for e in ENTRIES if e.target == {target!r}]
+        c = check_entry(e, "0.5.13", Path({str(root)!r}), build=False)
+        print(c.ok, c.where, c.detail)
+    """)], capture_output=True, text=True, cwd=str(REPO), timeout=300)
+    assert check.stdout.split() [:2] == ["True", new_place], check.stdout + check.stderr[-2000:]
+
+
+def test_a_renamed_target_is_offered_on_0_5_17(sglang_0_5_17):
+    # 0.5.17 renamed ModelRunner.max_token_pool_size (model_runner.py:1190).
+    proc = _rebase(str(sglang_0_5_17))
+    assert proc.returncode == 1
+    (line,) = [ln.strip() for ln in proc.stdout.splitlines()
+               if ln.strip().startswith("renamed? sglang.srt.model_executor.model_runner."
+                                        "ModelRunner.effective_max_total_num_tokens ")]
+    assert float(line.split(", ")[-1].split()[0]) > 0.6, line
