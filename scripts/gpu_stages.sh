@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# One device command for the lent H200: GPU tests, before/after e2e timing,
-# the exactness check on the tiny model, a planted fault the check must
-# catch, and the check on a 61-layer DeepSeek-V3.2-geometry model.
+# One device command for the lent H200, in stages: GPU tests, before/after
+# e2e timing, the exactness check on the tiny model, a planted fault the
+# check must catch, the check on a 61-layer DeepSeek-V3.2-geometry model, and
+# the realistic-scale figures (the synthetic top-k on the GPU, the decode-only
+# step and its breakdown at 32K contexts, a decode-bound end to end).
 #
 # BEFORE THE DEVICE RUN, here (network; from the repo root):
 #   bash .gpu/build_bundle.sh                       # .bundle/site.tar.xz.* (kit)
