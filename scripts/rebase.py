@@ -48,6 +48,7 @@ from sglang_hisparse import SUPPORTED_SGLANG_VERSIONS, pins  # noqa: E402
 from sglang_hisparse.manifest import ENTRIES, Kind  # noqa: E402
 from sglang_hisparse.pinned_source import (  # noqa: E402
     TargetNotFound,
+    definition_text,
     read_pinned_source,
     sglang_version,
 )
@@ -100,9 +101,8 @@ def _definitions(root: Path) -> list[tuple[str, str, int, str]]:
         module = ".".join(path.relative_to(base).with_suffix("").parts).removesuffix(".__init__")
 
         def add(node, qual):
-            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
-            found.append((f"{module}.{qual}", path.name, first,
-                          "".join(lines[first - 1:node.end_lineno])))
+            first, source = definition_text(node, lines)
+            found.append((f"{module}.{qual}", path.name, first, source))
 
         for node in tree.body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):

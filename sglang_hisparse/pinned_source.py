@@ -77,6 +77,13 @@ def _parse(path: Path) -> tuple[ast.Module, tuple[str, ...]]:
     return ast.parse(text, filename=str(path)), tuple(text.splitlines(keepends=True))
 
 
+def definition_text(node: ast.stmt, lines) -> tuple[int, str]:
+    """A def's or class's first line (its first decorator's) and its source
+    text, from the file's lines (with line ends), as the manifest hashes it."""
+    first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+    return first, "".join(lines[first - 1 : node.end_lineno])
+
+
 def read_pinned_source(target: str, root: Path | None = None) -> PinnedSource:
     root = installed_sglang_root() if root is None else Path(root)
     parts = target.split(".")
@@ -106,8 +113,7 @@ def read_pinned_source(target: str, root: Path | None = None) -> PinnedSource:
                 raise TargetNotFound(f"{target}: no module file for {missing} under {root}")
             raise TargetNotFound(f"{target}: '{name}' not found in {path}")
         body = node.body if isinstance(node, ast.ClassDef) else []
-    first = min([node.lineno] + [d.lineno for d in node.decorator_list])
-    text = "".join(lines[first - 1 : node.end_lineno])
+    first, text = definition_text(node, lines)
     return PinnedSource(
         target=target,
         module=".".join(parts[:n_mod]),

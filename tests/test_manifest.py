@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, run_python
+from releases import overlay_release
 from sglang_hisparse import SUPPORTED_SGLANG_VERSIONS
 from sglang_hisparse.manifest import DEPENDS, ENTRIES, HOOKS, Kind, Process
 from sglang_hisparse.pinned_source import installed_sglang_root, read_pinned_source
@@ -31,26 +32,11 @@ FILL_LEN = "fill_len = len(req.origin_input_ids) + max(len(req.output_ids) - 1, 
 def overlay_root(tmp_path: Path, target: str, old: str, new: str) -> Path:
     """A copy of the installed SGLang (symlinks) whose ``target`` source has
     ``old`` replaced by ``new``."""
-    real = installed_sglang_root()
     path = read_pinned_source(target).path
-    rel = path.relative_to(real)
-    root = tmp_path / "site"
-    root.mkdir()
-    for dist in real.glob("sglang-*.dist-info"):  # for sglang_version(root)
-        (root / dist.name).symlink_to(dist)
-    src, dst = real, root
-    for depth, part in enumerate(rel.parts):
-        if depth:  # below site-packages: the siblings on the way down
-            for child in src.iterdir():
-                if child.name != part:
-                    (dst / child.name).symlink_to(child)
-        src, dst = src / part, dst / part
-        if src.is_dir():
-            dst.mkdir()
     text = path.read_text()
     assert old in text
-    dst.write_text(text.replace(old, new, 1))
-    return root
+    rel = path.relative_to(installed_sglang_root())
+    return overlay_release(tmp_path, {str(rel): text.replace(old, new, 1)})
 
 
 @pytest.fixture(scope="module")

@@ -54,10 +54,24 @@ def check_num_real(num_real_reqs: torch.Tensor, device: torch.device) -> None:
         fail("num_real_reqs", f"expected 1 element, got {num_real_reqs.numel()}")
 
 
-def check_batch_index(name: str, t: torch.Tensor, bs: int, device: torch.device) -> None:
+def check_batch_index(name: str, t: torch.Tensor, bs: int, device: torch.device,
+                      batch_of: str = "top_k_tokens") -> None:
+    """A per-row index (request slots, sequence lengths): int32 or int64 [bs]."""
     check_tensor(name, t, dtypes=(torch.int32, torch.int64), ndim=1, device=device)
     if t.size(0) != bs:
-        fail(name, f"expected {bs} entries (batch of top_k_tokens), got {t.size(0)}")
+        fail(name, f"expected {bs} entries (batch of {batch_of}), got {t.size(0)}")
+
+
+def check_miss_plan(miss_src: torch.Tensor, miss_dst: torch.Tensor, miss_count: torch.Tensor,
+                    device: torch.device) -> None:
+    """A swap-in miss plan: miss_src int64 and miss_dst int32 of one 2-D
+    shape, miss_count int32 [rows], all on ``device``. (How many rows and
+    columns it needs is the caller's.)"""
+    check_tensor("miss_src", miss_src, dtypes=(torch.int64,), ndim=2, device=device)
+    check_tensor("miss_dst", miss_dst, dtypes=(torch.int32,), ndim=2, device=device)
+    check_tensor("miss_count", miss_count, dtypes=(torch.int32,), ndim=1, device=device)
+    if miss_src.shape != miss_dst.shape:
+        fail("miss_dst", f"shape {tuple(miss_dst.shape)} differs from miss_src's {tuple(miss_src.shape)}")
 
 
 def check_selection(top_k_tokens, out, req_pool_indices, seq_lens, num_real_reqs

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from sglang_hisparse.kernels import _jit
-from sglang_hisparse.kernels._validate import check_cuda, check_kv, check_num_real, check_tensor, fail
+from sglang_hisparse.kernels._validate import check_cuda, check_kv, check_miss_plan, check_num_real, fail
 from sglang_hisparse.kernels.limits import layout_id
 
 COPY_PLANNED_SOURCE = _jit.CSRC_DIR / "copy_planned.cuh"
@@ -49,11 +49,8 @@ def copy_planned(
     b and m < miss_count[b], copy host row miss_src[b, m] to device row
     miss_dst[b, m]. ``num_blocks`` fixes the grid (default: one per SM)."""
     device = check_cuda("miss_src", miss_src, dtypes=(torch.int64,), ndim=2)
-    check_tensor("miss_dst", miss_dst, dtypes=(torch.int32,), ndim=2, device=device)
-    check_tensor("miss_count", miss_count, dtypes=(torch.int32,), ndim=1, device=device)
+    check_miss_plan(miss_src, miss_dst, miss_count, device)
     check_num_real(num_real_reqs, device)
-    if miss_dst.shape != miss_src.shape:
-        fail("miss_dst", f"shape {tuple(miss_dst.shape)} differs from miss_src's {tuple(miss_src.shape)}")
     bs = miss_src.size(0)
     if miss_count.size(0) != bs:
         fail("miss_count", f"expected {bs} entries, got {miss_count.size(0)}")

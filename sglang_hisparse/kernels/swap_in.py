@@ -27,6 +27,7 @@ import torch
 from sglang_hisparse.kernels import _jit, reference
 from sglang_hisparse.kernels._validate import (
     check_kv,
+    check_miss_plan,
     check_selection,
     check_tensor,
     fail,
@@ -218,11 +219,7 @@ def _validate(a: dict, probe, hash_scale) -> _Verdict:
     miss_src, miss_dst, miss_count = a["miss_src"], a["miss_dst"], a["miss_count"]
     record = given_together(miss_src=miss_src, miss_dst=miss_dst, miss_count=miss_count)
     if record:
-        check_tensor("miss_src", miss_src, dtypes=(torch.int64,), ndim=2, device=device)
-        check_tensor("miss_dst", miss_dst, dtypes=(torch.int32,), ndim=2, device=device)
-        check_tensor("miss_count", miss_count, dtypes=(torch.int32,), ndim=1, device=device)
-        if miss_src.shape != miss_dst.shape:
-            fail("miss_dst", f"shape {tuple(miss_dst.shape)} differs from miss_src's {tuple(miss_src.shape)}")
+        check_miss_plan(miss_src, miss_dst, miss_count, device)
         if miss_src.size(0) < bs or miss_src.size(1) < top_k:
             fail("miss_src", f"needs shape >= [{bs}, {top_k}], got {tuple(miss_src.shape)}")
         if miss_count.size(0) < bs:

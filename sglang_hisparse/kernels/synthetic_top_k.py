@@ -28,7 +28,7 @@ import torch
 
 from sglang_hisparse.config import SYNTHETIC_TOPK_ENV
 from sglang_hisparse.kernels import _jit
-from sglang_hisparse.kernels._validate import check_tensor, fail
+from sglang_hisparse.kernels._validate import check_batch_index, check_tensor
 
 SYNTHETIC_TOP_K_SOURCE = _jit.CSRC_DIR / "synthetic_top_k.cuh"
 THREADS = 256
@@ -133,10 +133,8 @@ def synthetic_top_k(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, laye
     CUDA kernel when ``out`` is on a GPU, else :func:`reference`."""
     check_tensor("out", out, dtypes=(torch.int32,), ndim=2)
     bs, top_k = out.shape
-    for name, t in (("req_pool_indices", req_pool_indices), ("seq_lens", seq_lens)):
-        check_tensor(name, t, dtypes=(torch.int32, torch.int64), ndim=1, device=out.device)
-        if t.size(0) != bs:
-            fail(name, f"expected {bs} entries (out's rows), got {t.size(0)}")
+    check_batch_index("req_pool_indices", req_pool_indices, bs, out.device, batch_of="out")
+    check_batch_index("seq_lens", seq_lens, bs, out.device, batch_of="out")
     if out.device.type != "cuda":
         return reference(req_pool_indices, seq_lens, layer_id, top_k, trace, out)
     if bs:
