@@ -346,6 +346,7 @@ def test_max_token_pool_size_is_logical():
 
 def test_manifest_entries_check_out():
     from sglang_hisparse.manifest import ENTRIES, Scope
+    from sglang_hisparse.pinned_source import sglang_version
     from sglang_hisparse.plugin import check_entry
 
     mine = [e for e in ENTRIES if e.impl and e.impl.startswith(("sglang_hisparse.adapter.model_runner:",
@@ -353,7 +354,7 @@ def test_manifest_entries_check_out():
                                                                  "sglang_hisparse.adapter.scheduler:"))]
     assert len(mine) == 5 and all(e.scope is Scope.DATA_PLANE for e in mine)
     for e in mine:
-        c = check_entry(e, "0.5.13")
+        c = check_entry(e, sglang_version())
         assert c.ok, (e.target, c.detail)
 
 

@@ -613,6 +613,7 @@ def test_isinstance_sites_accept_our_allocator():
 
 def test_manifest_entries_check_out():
     from sglang_hisparse.manifest import ENTRIES, Kind, Scope
+    from sglang_hisparse.pinned_source import sglang_version
     from sglang_hisparse.plugin import check_entry
 
     mine = [e for e in ENTRIES if (e.impl or "").startswith(
@@ -621,6 +622,6 @@ def test_manifest_entries_check_out():
         "DeepSeekV4HiSparseTokenToKVPoolAllocator", "HiSparseC4DevicePool"}
     for e in mine:
         assert e.kind is Kind.REPLACE and e.scope is Scope.DATA_PLANE
-        c = check_entry(e, "0.5.13")
+        c = check_entry(e, sglang_version())
         assert c.ok, (e.target, c.detail)
         assert isinstance(c.hook, type)

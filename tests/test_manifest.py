@@ -21,10 +21,10 @@ from conftest import REPO, run_python
 from releases import overlay_release
 from sglang_hisparse import SUPPORTED_SGLANG_VERSIONS
 from sglang_hisparse.manifest import DEPENDS, ENTRIES, HOOKS, Kind, Process
-from sglang_hisparse.pinned_source import installed_sglang_root, read_pinned_source
+from sglang_hisparse.pinned_source import installed_sglang_root, read_pinned_source, sglang_version
 from sglang_hisparse.plugin import check_entry
 
-PIN = "0.5.13"
+PIN = sglang_version()  # the installed release: CI runs the suite on each pin
 PRE_ALLOC = "sglang.srt.disaggregation.decode.DecodePreallocQueue._pre_alloc"
 FILL_LEN = "fill_len = len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)"
 

@@ -14,7 +14,7 @@ import sys
 from conftest import REPO
 from sglang_hisparse import SUPPORTED_SGLANG_VERSIONS, pins
 from sglang_hisparse.manifest import ENTRIES
-from sglang_hisparse.pinned_source import read_pinned_source
+from sglang_hisparse.pinned_source import read_pinned_source, sglang_version
 
 POST1 = "0.5.13.post1"
 
@@ -38,9 +38,9 @@ def test_every_pin_hashes_every_entry_and_the_manifest_reads_them():
         assert set(data["sha256"]) == targets, version
         for e in ENTRIES:
             assert e.sha256[version] == data["sha256"][e.target]
-    # The installed release (0.5.13) is what its pin says, entry by entry.
+    # The installed release is what its pin says, entry by entry.
     for e in ENTRIES:
-        assert read_pinned_source(e.target).sha256 == e.sha256["0.5.13"], e.target
+        assert read_pinned_source(e.target).sha256 == e.sha256[sglang_version()], e.target
 
 
 def test_the_post1_pin_is_what_rebase_writes(sglang_0_5_13_post1, tmp_path):
@@ -116,9 +116,11 @@ def test_refreshing_a_pin_takes_a_new_entry_and_a_rebase_refuses_it(tmp_path, sg
     assert proc.returncode == 0, out + proc.stderr[-3000:]
     assert "  new      sglang.srt.managers.scheduler.Scheduler.run_batch (scheduler.py:" in out
     assert out.split("RC ")[1].startswith("0")
-    written = json.loads((tmp_path / "sglang-0.5.13" / pins.PIN_FILE).read_text())
+    # The refresh wrote the installed release's pin (CI runs this on both pins).
+    written = json.loads((tmp_path / f"sglang-{sglang_version()}" / pins.PIN_FILE).read_text())
     assert "sglang.srt.managers.scheduler.Scheduler.run_batch" in written["sha256"]
-    assert written["rebased_from"] is None  # a refresh keeps where the pin came from
+    # A refresh keeps where the pin came from.
+    assert written["rebased_from"] == pins.pin(sglang_version())["rebased_from"]
     assert ("  review   sglang.srt.managers.scheduler.Scheduler.run_batch: no hash in the "
             "0.5.13.post1 pin; refresh it first") in out
 
@@ -152,7 +154,8 @@ def test_a_moved_target_is_offered_confirmed_and_followed(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
     assert f"  moved    {target} -> {new_place}" in done.stdout
     assert f"  same     {target}\n" in done.stdout  # moved verbatim: the hash carries over
-    written = json.loads((out / "sglang-0.5.13" / pins.PIN_FILE).read_text())
+    installed = sglang_version()  # the overlay is the installed release, edited
+    written = json.loads((out / f"sglang-{installed}" / pins.PIN_FILE).read_text())
     assert written["moved"] == {target: new_place}
 
     # The loader, reading that pin, checks the target at its new place.
@@ -163,7 +166,7 @@ def test_a_moved_target_is_offered_confirmed_and_followed(tmp_path):
         from sglang_hisparse.manifest import ENTRIES
         from sglang_hisparse.plugin import check_entry
         (e,) = [e for e in ENTRIES if e.target == {target!r}]
-        c = check_entry(e, "0.5.13", Path({str(root)!r}), build=False)
+        c = check_entry(e, {installed!r}, Path({str(root)!r}), build=False)
         print(c.ok, c.where, c.detail)
     """)], capture_output=True, text=True, cwd=str(REPO), timeout=300)
     assert check.stdout.split() [:2] == ["True", new_place], check.stdout + check.stderr[-2000:]
