@@ -39,6 +39,8 @@ class SwapInCase:
     device_kv: torch.Tensor
     out: torch.Tensor
     layout: str = "rows"
+    # Rows per request: > 1 for a speculative verify step (make_verify_case).
+    draft_tokens: int = 1
 
     def args(self) -> tuple:
         return (
@@ -228,12 +230,51 @@ def refresh_top_k(
     case.top_k_tokens.copy_(top.to(case.top_k_tokens.device))
 
 
+def make_verify_case(*, committed: Sequence[int], draft_tokens: int, top_k: int, hot: int,
+                     overlap: float = 0.6, seed: int = 0, **kw) -> SwapInCase:
+    """A speculative verify step: request ``b`` has committed ``committed[b]``
+    tokens (S) and verifies positions ``S .. S + n - 1``, one batch row each
+    (row ``j`` of length ``S + j + 1``). The verified tokens' KV is in
+    place, as the verify forward leaves it: at slot = position for a short
+    request (``S < hot``), at slot ``hot + j`` past the buffer, with the
+    host's bytes (so check_rows_served holds). Row 0's top-k is make_case's;
+    row ``j`` keeps about ``overlap`` of row 0's entries (the rows of one
+    step select mostly the same positions), redraws the rest from
+    ``0 .. S + j`` and always selects ``S + j``. ``kw`` goes to make_case."""
+    n = draft_tokens
+    kw.setdefault("page", max(4, n))
+    base = make_case(seq_lens=[s + 1 for s in committed], top_k=top_k, hot=hot, seed=seed, **kw)
+    gen = torch.Generator().manual_seed(seed + 7)
+    bs = len(committed)
+    for b, s_b in enumerate(committed):
+        r = int(base.req_pool_indices[b])
+        slots = torch.arange(1, n) + (s_b if s_b < hot else hot)
+        toks = torch.arange(s_b + 1, s_b + n)
+        if toks.numel():
+            base.slot_tokens[r, slots] = toks.to(torch.int32)
+            rows = read_rows(base.host_kv, base.host_locs[r, toks], base.layout)
+            write_rows(base.device_kv, base.slot_locs[r, slots].long(), rows, base.layout)
+    top = base.top_k_tokens.repeat_interleave(n, dim=0)
+    for b, s_b in enumerate(committed):
+        for j in range(1, n):
+            row = top[b * n + j]
+            redraw = (torch.rand(top_k, generator=gen) > overlap) & (row >= 0)
+            row[redraw] = torch.randint(0, s_b + j + 1, (int(redraw.sum()),), generator=gen,
+                                        dtype=torch.int32)
+            row[int(torch.randint(0, top_k, (1,), generator=gen))] = s_b + j
+    lens = torch.tensor([s + j + 1 for s in committed for j in range(n)], dtype=base.seq_lens.dtype)
+    return dataclasses.replace(
+        base, top_k_tokens=top, seq_lens=lens, draft_tokens=n,
+        out=torch.full((bs * n, top_k), -7, dtype=torch.int32))
+
+
 def check_rows_served(case: SwapInCase) -> None:
     """Every valid selected token's device row holds its host bytes."""
-    real = int(case.num_real_reqs[0])
+    n = case.draft_tokens
+    real = int(case.num_real_reqs[0]) * n
     max_ctx = case.host_locs.size(1)
     for b in range(min(real, case.top_k_tokens.size(0))):
-        r, seq_len = int(case.req_pool_indices[b]), int(case.seq_lens[b])
+        r, seq_len = int(case.req_pool_indices[b // n]), int(case.seq_lens[b])
         toks = case.top_k_tokens[b].cpu().long()
         out = case.out[b].cpu().long()
         valid = (toks >= 0) & (toks < min(seq_len, max_ctx))

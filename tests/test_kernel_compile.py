@@ -129,6 +129,27 @@ def test_default_block_size_runs_every_buffer_the_kernel_allows(top_k):
     assert "too small" in kernels.size_problem(64, kernels.MAX_HOT_BUFFER_SIZE, block - 32)
 
 
+def test_verify_limits_count_every_row_of_a_request():
+    """A verify step resolves draft_tokens x top_k entries per request: the
+    buffer must hold them all, and their hash table must fit shared memory
+    (DeepSeek-V3.2's top-k 2048 verifies at most 4 tokens; 5 do not fit)."""
+    assert kernels.size_problem(2048, 8192, draft_tokens=4) is None
+    assert "must be in [draft_tokens x top_k (4 x 2048), 32767]" in \
+        kernels.size_problem(2048, 8000, draft_tokens=4)
+    too_many = kernels.size_problem(2048, 10240, draft_tokens=5)
+    assert "draft_tokens x top_k (5 x 2048) 10240" in too_many and "shared memory" in too_many
+    assert swap_mod.resolve_hash_scale(2048, 8256, None, 4) == 2  # the 8192-entry table
+    assert "draft_tokens must be >= 1" in kernels.size_problem(64, 128, draft_tokens=0)
+
+
+@pytest.mark.jit
+def test_compile_verify_variants():
+    names = kernels.compile_variants(top_k=64, hot_buffer_size=200, draft_tokens=(1, 3),
+                                     record_plan=(True,), block_size=128)
+    assert len(names) == 2 and "draft_tokens" not in names[0]
+    assert names[1].endswith("hash_scale=8, probe=False, draft_tokens=3)"), names[1]
+
+
 def test_config_reads_the_kernel_limits_without_torch():
     """--hisparse-config validation imports the limits torch-free."""
     code = ("import sys, sglang_hisparse.config as c, sglang_hisparse.kernels.limits as l; "

@@ -382,3 +382,82 @@ def test_cached_checks_still_refuse_an_unpinned_host_pool():
     gpu.host_kv = case.host_kv.clone()  # not pinned
     with pytest.raises(ValueError, match="host_kv: CPU tensor must be pinned"):
         swap_mod.swap_in(*gpu.args())
+
+
+# --------------------------------------------------------------------------
+# speculative verify: draft_tokens rows per request, one union (MTP/EAGLE)
+
+
+def _verify_step(tag, gpu: SwapInCase, want: SwapInCase, **kw) -> None:
+    n = want.draft_tokens
+    bs, top_k = want.req_pool_indices.numel(), want.top_k_tokens.size(1)
+    gplan = _plan(bs, n * top_k, "cuda")
+    wplan = {k: v.cpu() for k, v in gplan.items()}
+    tally = torch.zeros((2,), dtype=torch.int64, device="cuda")
+    want_tally = tally.cpu()
+    swap_mod.swap_in(*gpu.args(), layout=gpu.layout, **gplan, tally=tally, draft_tokens=n, **kw)
+    ref.swap_in(*want.args(), layout=want.layout, **wplan, tally=want_tally, draft_tokens=n)
+    _compare(tag, gpu, want, gplan, wplan)
+    assert torch.equal(tally.cpu(), want_tally), f"{tag}: tally {tally.tolist()} vs {want_tally.tolist()}"
+
+
+@pytest.mark.parametrize("ndt", [2, 4])
+@pytest.mark.parametrize("top_k,extra", [(64, 0), (512, 64), (2048, 64)])
+@pytest.mark.parametrize("bs", [1, 7, 32])
+def test_verify_matches_reference(bs, top_k, extra, ndt):
+    """Short, crossing the buffer, at it and far past it; B = ndt x top_k (+ extra)."""
+    from kernel_cases import make_verify_case
+
+    seed = _seed()
+    gen = random.Random(seed)
+    hot = ndt * top_k + extra
+    kinds = [lambda: gen.randrange(1, hot - ndt), lambda: hot - 1, lambda: hot,
+             lambda: hot * gen.choice((3, 6)) + gen.randrange(0, hot)]
+    committed = [kinds[(b + seed) % 4]() for b in range(bs)]
+    num_real = bs if gen.random() < 0.6 else gen.randrange(0, bs + 1)
+    case = make_verify_case(
+        committed=committed, draft_tokens=ndt, top_k=top_k, hot=hot, page=PAGE,
+        miss_rate=gen.random(), item_bytes=656, num_real=num_real, seed=seed,
+        overlap=gen.random(), pad_top_k=gen.choice((0, top_k // 8)),
+        index_dtype=gen.choice((torch.int32, torch.int64)),
+        req_dtype=gen.choice((torch.int32, torch.int64)))
+    gpu, want = case.clone("cuda", pin_host=True), case.clone()
+    _verify_step(f"seed={seed} bs={bs} top_k={top_k} ndt={ndt} committed={committed[:4]}",
+                 gpu, want)
+
+
+def test_verify_under_cuda_graph_replay():
+    from kernel_cases import make_verify_case
+
+    seed = _seed()
+    gen = random.Random(seed)
+    ndt, top_k, bs = 3, 256, 6
+    hot = ndt * top_k + 64
+    case = make_verify_case(committed=[hot * 5, 40, hot, hot * 2 + 7, hot - 2, 9000],
+                            draft_tokens=ndt, top_k=top_k, hot=hot, page=PAGE, miss_rate=0.5,
+                            item_bytes=1152, seed=seed, index_dtype=torch.int32,
+                            req_dtype=torch.int32)
+    want, gpu = case.clone(), case.clone("cuda", pin_host=True)
+    gplan = _plan(bs, ndt * top_k, "cuda")
+    capture = torch.cuda.Stream()
+    capture.wait_stream(torch.cuda.current_stream())
+    scratch = case.clone("cuda", pin_host=True)
+    with torch.cuda.stream(capture):
+        swap_mod.swap_in(*scratch.args(), **_plan(bs, ndt * top_k, "cuda"), draft_tokens=ndt)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=capture):
+        swap_mod.swap_in(*gpu.args(), **gplan, draft_tokens=ndt)
+    for step, real in enumerate([6, 2, 0, 6, 4]):
+        fresh = make_verify_case(committed=[hot * 5, 40, hot, hot * 2 + 7, hot - 2, 9000],
+                                 draft_tokens=ndt, top_k=top_k, hot=hot, page=PAGE,
+                                 miss_rate=gen.random(), item_bytes=1152, seed=seed + step + 1)
+        want.top_k_tokens.copy_(fresh.top_k_tokens)
+        want.num_real_reqs.fill_(real)
+        gpu.top_k_tokens.copy_(want.top_k_tokens)
+        gpu.num_real_reqs.fill_(real)
+        wplan = {k: v.cpu().clone() for k, v in gplan.items()}
+        graph.replay()
+        ref.swap_in(*want.args(), **wplan, draft_tokens=ndt)
+        _compare(f"seed={seed} verify graph step={step} real={real}", gpu, want, gplan, wplan,
+                 rows_served=False)

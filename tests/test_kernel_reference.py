@@ -252,7 +252,10 @@ def test_selected_dispatches_to_reference_on_cpu():
 
 
 def naive_swap_in(case):
-    """Per token, with Python lists; no vector ops, no unique/sort tricks."""
+    """Per token, with Python lists; no vector ops, no unique/sort tricks.
+    A verify step (``case.draft_tokens`` rows per request) resolves the
+    request's rows together, as one list of wanted positions."""
+    n = case.draft_tokens
     top = case.top_k_tokens.tolist()
     reqs = case.req_pool_indices.tolist()
     lens = case.seq_lens.tolist()
@@ -265,20 +268,24 @@ def naive_swap_in(case):
     real = int(case.num_real_reqs[0])
     out = [[-1] * len(row) for row in top]
     copies = []  # (host row, device row)
-    for b in range(min(real, len(top))):
-        r, n = reqs[b], lens[b]
-        valid = [0 <= t < min(n, max_ctx) for t in top[b]]
-        if n <= hot:
-            out[b] = [sl[r][t] if v else -1 for t, v in zip(top[b], valid)]
+    for g in range(min(real, len(reqs))):
+        r = reqs[g]
+        rows = range(g * n, (g + 1) * n)
+        first = lens[g * n] - 1  # the first position this step writes
+        valid = {b: [0 <= t < min(lens[b], max_ctx) for t in top[b]] for b in rows}
+        if first < hot:
+            for b in rows:
+                out[b] = [sl[r][t] if v else -1 for t, v in zip(top[b], valid[b])]
             continue
         order = list(lru[r])
         served = {}  # position -> device row
         hits = []
         wanted = []
-        for t, v in zip(top[b], valid):
-            if not v or t == n - 1 or t in wanted:
-                continue
-            wanted.append(t)
+        for b in rows:
+            for t, v in zip(top[b], valid[b]):
+                if not v or t >= first or t in wanted:
+                    continue
+                wanted.append(t)
         for t in wanted:
             holder = None
             for s in order:  # last LRU position that holds t wins
@@ -308,9 +315,10 @@ def naive_swap_in(case):
             order.remove(s)
             order.append(s)
         lru[r] = order
-        for j, (t, v) in enumerate(zip(top[b], valid)):
-            if v:
-                out[b][j] = sl[r][hot] if t == n - 1 else served[t]
+        for b in rows:
+            for j, (t, v) in enumerate(zip(top[b], valid[b])):
+                if v:
+                    out[b][j] = sl[r][hot + t - first] if t >= first else served[t]
     kv = case.device_kv.clone()
     for src, dst in copies:
         kv[dst] = case.host_kv[src]
@@ -387,3 +395,81 @@ def test_residency_arguments_come_together():
     case = make_case(seq_lens=[300], top_k=16, hot=32, page=4, seed=1)
     with pytest.raises(ValueError, match="together"):
         ref.swap_in(*case.args(), resident=torch.zeros(4, dtype=torch.int32))
+
+
+# --------------------------------------------------------------------------
+# speculative verify: a request's draft_tokens rows resolve as one union
+
+
+def _verify(case, **kw):
+    return ref.swap_in(*case.args(), draft_tokens=case.draft_tokens, **kw)
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_verify_union_matches_naive_model(seed):
+    from kernel_cases import make_verify_case
+
+    g = torch.Generator().manual_seed(2000 + seed)
+    n = int(torch.randint(2, 5, (1,), generator=g))
+    top_k = int(torch.randint(2, 12, (1,), generator=g))
+    hot = n * top_k + int(torch.randint(0, 8, (1,), generator=g))  # B >= n * K
+    bs = int(torch.randint(1, 5, (1,), generator=g))
+    # short, at the buffer's edge (the rows cross it), and long requests
+    kinds = [hot - 3 * n, hot - 1, hot - n // 2, hot, 3 * hot]
+    committed = [max(1, kinds[int(torch.randint(0, len(kinds), (1,), generator=g))])
+                 for _ in range(bs)]
+    case = make_verify_case(
+        committed=committed, draft_tokens=n, top_k=top_k, hot=hot, seed=seed,
+        miss_rate=float(torch.rand(1, generator=g)),
+        pad_top_k=int(torch.randint(0, max(1, top_k // 4), (1,), generator=g)),
+        num_real=max(0, bs - int(seed % 4 == 0)), item_bytes=8,
+        overlap=float(torch.rand(1, generator=g)))
+    want_out, want_st, want_lru, want_kv = naive_swap_in(case)
+    _verify(case)
+    assert case.out.tolist() == want_out
+    assert case.slot_tokens.tolist() == want_st
+    assert case.lru.tolist() == want_lru
+    assert torch.equal(case.device_kv, want_kv)
+    check_rows_served(case)
+    # padding requests' rows output -1
+    real = int(case.num_real_reqs[0])
+    assert (case.out[real * n:] == -1).all()
+
+
+def test_one_draft_token_is_the_decode_step():
+    # The same case through draft_tokens=1 and through the decode path.
+    a = make_case(seq_lens=[300, 5, 200, 33], top_k=16, hot=32, seed=9, miss_rate=0.6,
+                  duplicates=2, pad_top_k=2)
+    b = a.clone()
+    ref.swap_in(*a.args())
+    ref.swap_in(*b.args(), draft_tokens=1)
+    for k in ("out", "slot_tokens", "lru", "device_kv"):
+        assert torch.equal(getattr(a, k), getattr(b, k)), k
+
+
+def test_rows_of_one_request_share_hits_and_never_evict_each_other():
+    # B = 4 (+ a 2-slot page), request 1 committed 20 tokens and verifies
+    # 20 and 21. Slots hold 10, 11, 12, 13 (LRU order 0..3).
+    case = _world(21, [[10, 5, 20], [5, 12, 21]], reqs=(1,), lens=[21, 22])
+    case["slot_tokens"][1, :4] = torch.tensor([10, 11, 12, 13], dtype=torch.int32)
+    plan = dict(miss_src=torch.zeros((1, 6), dtype=torch.int64),
+                miss_dst=torch.zeros((1, 6), dtype=torch.int32),
+                miss_count=torch.zeros((1,), dtype=torch.int32))
+    out = ref.swap_in(**case, draft_tokens=2, **plan)
+    # 5 misses once (both rows read its one copy) into the least recent slot
+    # no row reads (11, slot 1); 10 and 12 are hits for either row; the
+    # verified tokens sit in the page: 20 at slot 4, 21 at slot 5.
+    assert out.tolist() == [[106, 107, 110], [107, 108, 111]]
+    assert plan["miss_count"].tolist() == [1]
+    assert plan["miss_dst"][0, 0] == 107 and plan["miss_src"][0, 0] == 64 + 5
+    assert case["slot_tokens"][1, :4].tolist() == [10, 5, 12, 13]
+    assert case["lru"][1].tolist() == [3, 1, 0, 2]
+
+
+def test_verify_shapes_are_checked():
+    case = _world(21, [[10, 5], [5, 12], [1, 2]], reqs=(1,), lens=[21, 22, 23])
+    with pytest.raises(ValueError, match="draft_tokens=2: top_k_tokens needs 1 x 2 rows"):
+        ref.swap_in(**case, draft_tokens=2)
+    case = _world(21, [[10], [5], [1]], reqs=(1,), lens=[21, 22, 23])
+    with pytest.raises(ValueError, match="does not fit the 2-slot newest page"):
+        ref.swap_in(**case, draft_tokens=3)

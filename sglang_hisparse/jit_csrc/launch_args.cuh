@@ -47,9 +47,11 @@ struct KvPools {
 };
 
 // What a swap-in resolves and returns for a batch: top_k_tokens and out int32
-// [bs, top_k] (rows contiguous), req_pool_indices and seq_lens int32 or int64
-// [bs], num_real_reqs int32 [1], all on `cuda`. `top_k` is a SymbolicSize or,
-// for a kernel built for one top-k, that number.
+// [bs * rows_per_req, top_k] (rows contiguous), req_pool_indices int32 or
+// int64 [bs], seq_lens int32 or int64 [bs * rows_per_req], num_real_reqs int32
+// [1], all on `cuda`. `top_k` is a SymbolicSize or, for a kernel built for one
+// top-k, that number. rows_per_req > 1 is a speculative verify step (one row
+// per verified token).
 struct Selection {
   const int32_t* top_k_tokens;
   int32_t* out;
@@ -70,17 +72,21 @@ struct Selection {
       tvm::ffi::TensorView num_real_reqs,
       host::SymbolicSize& batch,
       TopK&& top_k,
-      host::SymbolicDevice& cuda) {
+      host::SymbolicDevice& cuda,
+      int64_t rows_per_req = 1) {
     using namespace host;
     auto KS0 = SymbolicSize{"top_k_tokens.stride(0)"};
     auto OS0 = SymbolicSize{"out.stride(0)"};
+    auto rows = SymbolicSize{"rows (requests x draft tokens)"};
     auto req_dtype = SymbolicDType{};
     auto seq_dtype = SymbolicDType{};
-    TensorMatcher({batch, top_k}).with_strides({KS0, 1}).with_dtype<int32_t>().with_device(cuda).verify(top_k_tokens);
-    TensorMatcher({batch, top_k}).with_strides({OS0, 1}).with_dtype<int32_t>().with_device(cuda).verify(out);
+    TensorMatcher({rows, top_k}).with_strides({KS0, 1}).with_dtype<int32_t>().with_device(cuda).verify(top_k_tokens);
+    TensorMatcher({rows, top_k}).with_strides({OS0, 1}).with_dtype<int32_t>().with_device(cuda).verify(out);
     TensorMatcher({batch}).with_dtype<int32_t, int64_t>(req_dtype).with_device(cuda).verify(req_pool_indices);
-    TensorMatcher({batch}).with_dtype<int32_t, int64_t>(seq_dtype).with_device(cuda).verify(seq_lens);
+    TensorMatcher({rows}).with_dtype<int32_t, int64_t>(seq_dtype).with_device(cuda).verify(seq_lens);
     TensorMatcher({1}).with_dtype<int32_t>().with_device(cuda).verify(num_real_reqs);
+    RuntimeCheck(rows.unwrap() == batch.unwrap() * rows_per_req, "top_k_tokens has ", rows.unwrap(),
+                 " rows; expected ", batch.unwrap(), " requests x ", rows_per_req, " draft tokens");
     return Selection{
         static_cast<const int32_t*>(top_k_tokens.data_ptr()),
         static_cast<int32_t*>(out.data_ptr()),

@@ -16,6 +16,17 @@
 // coordinator) skips all of this: each position goes through the request's
 // logical slot (req_to_token) to its device row (token_to_row).
 //
+// Speculative verify (kDraftTokens = n > 1): a request has n consecutive
+// batch rows, one per verified token, and its block resolves their n * top_k
+// entries as one union (entry j = row j / top_k, index j % top_k): a position
+// several rows select is owned by its first occurrence, read from one slot,
+// copied once, and no miss evicts a slot another row reads. The positions
+// this step verifies (>= the committed length S = seq_lens[first row] - 1)
+// sit at slot HOT + position - S. n = 1 is the decode step: the union is the
+// row, and the n-only code (row lengths, verified slots) compiles away. (Its
+// PTX is not byte-identical to the decode-only kernel's: it computes each
+// entry's validity once, 7519 lines against 7559; re-time it on a GPU.)
+//
 // Work split. One block per request leaves a lone request with one block's
 // warps of copies in flight: far too few rows to cover the latency of PCIe
 // reads, so the link idles. Here a request gets `gridDim.x` blocks. Every
@@ -51,8 +62,8 @@
 // small-batch points is the gather itself: a copy-only replay of the same
 // rows (bench_kernels.py, "gather") moves them at ~87% of the DMA ceiling.
 //
-// Template axes. kTopK, kHot, kItemBytes, kLayout, kThreads and kHashScale
-// shape the serving kernel. kRecordPlan (write the miss plan that
+// Template axes. kTopK, kHot, kItemBytes, kLayout, kThreads, kHashScale and
+// kDraftTokens shape the serving kernel. kRecordPlan (write the miss plan that
 // copy_planned.cuh replays), kSkipIO (resolve without moving bytes: the
 // SGLANG_HISPARSE_SKIP_IO timing probe) and kProbe (phase stamps, probe.cuh)
 // are separate variants, built only when asked for, so the serving variant
@@ -133,23 +144,24 @@ struct SwapInParams {
 // entry. (Packing key and owner into one 64-bit entry, or testing hits by LRU
 // position through a dependent slot-table read, gained nothing on top.) The
 // launcher picks the widest scale whose table fits shared memory.
-template <int kTopK, int kHot, int kHashScale>
+// kEntries: a request's top-k entries (draft tokens x top_k in a verify step).
+template <int kEntries, int kHot, int kHashScale>
 struct SwapInSmem {
   static_assert(kHashScale >= 1 && kHashScale <= 16, "hash scale must be in [1, 16]");
   static constexpr int kHashBits = [] {
     int b = 1;
-    while ((1 << b) < kHashScale * kTopK) ++b;
+    while ((1 << b) < kHashScale * kEntries) ++b;
     return b;
   }();
   static constexpr int kHashSize = 1 << kHashBits;
   static constexpr int kBufChunks = (kHot + kWarp - 1) / kWarp;
-  static constexpr int kTopKChunks = (kTopK + kWarp - 1) / kWarp;
+  static constexpr int kTopKChunks = (kEntries + kWarp - 1) / kWarp;
 
   static constexpr size_t kKeys = 0;                                        // int32 [H]
   static constexpr size_t kVals = kKeys + sizeof(int32_t) * kHashSize;      // int32 [H]
   static constexpr size_t kResolved = kVals + sizeof(int32_t) * kHashSize;  // uint32 [K]
-  static constexpr size_t kMissTok = kResolved + sizeof(uint32_t) * kTopK;  // int32 [K]
-  static constexpr size_t kBufCnt = kMissTok + sizeof(int32_t) * kTopK;     // int32 [B / 32]
+  static constexpr size_t kMissTok = kResolved + sizeof(uint32_t) * kEntries;  // int32 [K]
+  static constexpr size_t kBufCnt = kMissTok + sizeof(int32_t) * kEntries;     // int32 [B / 32]
   static constexpr size_t kMissCnt = kBufCnt + sizeof(int32_t) * kBufChunks;      // int32 [K / 32]
   static constexpr size_t kScalars = kMissCnt + sizeof(int32_t) * kTopKChunks;    // int32 [4]
   // The slot owners are last read before the LRU is regrouped (a barrier
@@ -170,15 +182,19 @@ template <
     int kThreads,
     int kHashScale,
     bool kProbe,
+    int kDraftTokens,
     typename SeqT,
     typename ReqT>
 __global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_constant__ SwapInParams p) {
+  // A request's entries: its rows' top-k, one union (see the header).
+  constexpr int kEntries = kDraftTokens * kTopK;
   constexpr int kWarps = kThreads / kWarp;
-  constexpr int kTopKPerThread = (kTopK + kThreads - 1) / kThreads;
+  constexpr int kTopKPerThread = (kEntries + kThreads - 1) / kThreads;
   constexpr int kBufPerThread = (kHot + kThreads - 1) / kThreads;
-  using Smem = SwapInSmem<kTopK, kHot, kHashScale>;
+  using Smem = SwapInSmem<kEntries, kHot, kHashScale>;
   using IO = RowIO<kLayout, kItemBytes>;
-  static_assert(kTopK >= 1 && kTopK <= kHot, "top_k must be in [1, hot_buffer_size]");
+  static_assert(kDraftTokens >= 1 && kDraftTokens <= 8, "draft tokens must be in [1, 8]");
+  static_assert(kTopK >= 1 && kEntries <= kHot, "draft_tokens x top_k must be in [1, hot_buffer_size]");
   static_assert(kHot <= 32767, "lru slots are int16");
   static_assert(kThreads % kWarp == 0 && kThreads >= 2 * kWarp && kThreads <= 1024, "bad block size");
   static_assert(kTopKPerThread <= 32 && kBufPerThread <= 32, "per-thread flags are kept in 32-bit masks");
@@ -193,30 +209,40 @@ __global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_const
   const uint32_t lanes_below = (1u << lane) - 1u;
   const int split = gridDim.x;
   const int part = blockIdx.x;
-  const int64_t row = blockIdx.y;
-  int32_t* out = p.out_locs + row * p.out_stride;
+  const int64_t row = blockIdx.y;  // the request (its first batch row: row * kDraftTokens)
+  const int64_t first_row = row * kDraftTokens;
+  // Entry j's row in the request and its top-k index (j itself when n = 1).
+  auto row_of = [](int j) { return kDraftTokens == 1 ? 0 : j / kTopK; };
+  auto col_of = [](int j) { return kDraftTokens == 1 ? j : j % kTopK; };
 
   // Independent reads first: every later address depends on one of them, so
-  // the chains of dependent loads start together. Top-k entries are striped
+  // the chains of dependent loads start together. Entries are striped
   // (entry j = k * kThreads + tid); this block publishes the outputs of the
   // 32-entry chunks c with c % split == part, on every path.
-  const int32_t* top_k = p.top_k_tokens + row * p.top_k_stride;
   int32_t tok[kTopKPerThread];
 #pragma unroll
   for (int k = 0; k < kTopKPerThread; ++k) {
     const int j = k * kThreads + tid;
-    tok[k] = j < kTopK ? top_k[j] : -1;
+    tok[k] = j < kEntries ? p.top_k_tokens[(first_row + row_of(j)) * p.top_k_stride + col_of(j)] : -1;
   }
   const int32_t num_real = p.num_real_reqs[0];
   const int64_t req = load_index<ReqT>(p.req_pool_indices, row);
-  const int64_t seq_len = load_index<SeqT>(p.seq_lens, row);
-  auto publishes = [&](int k) { return (k * kWarps + warp) % split == part && k * kThreads + tid < kTopK; };
+  int64_t row_len[kDraftTokens];  // each row's length (the indexer's)
+#pragma unroll
+  for (int r = 0; r < kDraftTokens; ++r) row_len[r] = load_index<SeqT>(p.seq_lens, first_row + r);
+  const int64_t seq_len = row_len[0];
+  auto publishes = [&](int k) { return (k * kWarps + warp) % split == part && k * kThreads + tid < kEntries; };
+  // Where entry k's output goes: its row, its top-k index.
+  auto out_at = [&](int k) -> int32_t& {
+    const int j = k * kThreads + tid;
+    return p.out_locs[(first_row + row_of(j)) * p.out_stride + col_of(j)];
+  };
 
   // CUDA-graph padding rows: invalid output, no state change.
   if (row >= num_real) {
 #pragma unroll
     for (int k = 0; k < kTopKPerThread; ++k) {
-      if (publishes(k)) out[k * kThreads + tid] = -1;
+      if (publishes(k)) out_at(k) = -1;
     }
     if constexpr (kRecordPlan) {
       if (part == 0 && tid == 0) p.miss_count[row] = 0;
@@ -226,14 +252,26 @@ __global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_const
     return;
   }
 
-  const int64_t limit = seq_len < p.max_ctx ? seq_len : p.max_ctx;  // valid positions: [0, limit)
+  // An entry is valid in [0, min(its row's length, max_ctx)).
+  uint32_t valid_bits = 0;
+#pragma unroll
+  for (int k = 0; k < kTopKPerThread; ++k) {
+    int64_t len = row_len[0];
+    if constexpr (kDraftTokens > 1) {
+      const int r_of = row_of(k * kThreads + tid);
+#pragma unroll
+      for (int r = 1; r < kDraftTokens; ++r) len = r_of == r ? row_len[r] : len;
+    }
+    const int64_t limit = len < p.max_ctx ? len : p.max_ctx;
+    valid_bits |= uint32_t(tok[k] >= 0 && tok[k] < limit) << k;
+  }
   const int32_t* slot_locs = p.slot_locs + req * p.slot_locs_stride;
 
   // Valid entries, for the hit/miss tally (block-uniform: p.tally and part are).
   if (p.tally != nullptr && part == 0) {
     int valid = 0;
 #pragma unroll
-    for (int k = 0; k < kTopKPerThread; ++k) valid += __syncthreads_count(tok[k] >= 0 && tok[k] < limit);
+    for (int k = 0; k < kTopKPerThread; ++k) valid += __syncthreads_count(valid_bits >> k & 1u);
     if (tid == 0 && valid > 0) atomicAdd(p.tally, static_cast<unsigned long long>(valid));
   }
 
@@ -243,8 +281,8 @@ __global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_const
 #pragma unroll
     for (int k = 0; k < kTopKPerThread; ++k) {
       if (publishes(k)) {
-        const bool valid = tok[k] >= 0 && tok[k] < limit;
-        out[k * kThreads + tid] = valid ? static_cast<int32_t>(p.token_to_row[r2t[tok[k]]]) : -1;
+        const bool valid = valid_bits >> k & 1u;
+        out_at(k) = valid ? static_cast<int32_t>(p.token_to_row[r2t[tok[k]]]) : -1;
       }
     }
     if constexpr (kRecordPlan) {
@@ -255,11 +293,12 @@ __global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_const
     return;
   }
 
-  // Short sequence: every token sits at slot == position. No IO, no LRU change.
+  // Short sequence (S = seq_len - 1 < HOT): every token sits at slot ==
+  // position, the verified ones too. No IO, no LRU change.
   if (seq_len <= kHot) {
 #pragma unroll
     for (int k = 0; k < kTopKPerThread; ++k) {
-      if (publishes(k)) out[k * kThreads + tid] = (tok[k] >= 0 && tok[k] < limit) ? slot_locs[tok[k]] : -1;
+      if (publishes(k)) out_at(k) = (valid_bits >> k & 1u) ? slot_locs[tok[k]] : -1;
     }
     if constexpr (kRecordPlan) {
       if (part == 0 && tid == 0) p.miss_count[row] = 0;
@@ -288,6 +327,7 @@ __global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_const
   int32_t& s_newest_loc = s_scalars[2];
   int32_t& s_is_last = s_scalars[3];
 
+  // The newest token (decode), or the first position this step verifies.
   const int32_t newest = static_cast<int32_t>(seq_len - 1);
 
   // ---- Phase A: every global read of the resolve is issued here. The LRU
@@ -306,11 +346,11 @@ __global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_const
     }
   }
   uint32_t cand_bits = 0;    // valid, not the newest token
-  uint32_t newest_bits = 0;  // valid and the newest token
+  uint32_t newest_bits = 0;  // valid and the newest token (or a verified one: >= newest)
 #pragma unroll
   for (int k = 0; k < kTopKPerThread; ++k) {
-    const bool valid = tok[k] >= 0 && tok[k] < limit;
-    const bool is_newest = valid && tok[k] == newest;
+    const bool valid = valid_bits >> k & 1u;
+    const bool is_newest = valid && (kDraftTokens == 1 ? tok[k] == newest : tok[k] >= newest);
     cand_bits |= uint32_t(valid && !is_newest) << k;
     newest_bits |= uint32_t(is_newest) << k;
   }
@@ -320,7 +360,7 @@ __global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_const
     s_keys[h] = kEmptyKey;
     s_vals[h] = INT32_MAX;
   }
-  for (int j = tid; j < kTopK; j += kThreads) s_resolved[j] = 0;
+  for (int j = tid; j < kEntries; j += kThreads) s_resolved[j] = 0;
   __syncthreads();
   probe.mark(Probe::kHashReady);
 
@@ -507,7 +547,11 @@ __global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_const
     if (!publishes(k)) continue;
     int32_t loc = -1;
     if (newest_bits >> k & 1u) {
-      loc = s_newest_loc;
+      if constexpr (kDraftTokens == 1) {
+        loc = s_newest_loc;
+      } else {
+        loc = slot_locs[kHot + tok[k] - newest];
+      }
     } else if (cand_bits >> k & 1u) {
       const uint32_t r = s_resolved[owner[k]];
       if (r & kMissTag) {
@@ -517,7 +561,7 @@ __global__ void __launch_bounds__(kThreads, 1) swap_in_kernel(const __grid_const
         loc = slot_locs[r & 0xffffu];
       }
     }
-    out[k * kThreads + tid] = loc;
+    out_at(k) = loc;
   }
   if constexpr (kRecordPlan) {
     if (part == 0 && tid == 0) p.miss_count[row] = misses;
@@ -573,14 +617,15 @@ template <
     bool kSkipIO,
     int kThreads,
     int kHashScale,
-    bool kProbe>
+    bool kProbe,
+    int kDraftTokens = 1>
 struct SwapIn {
-  static constexpr size_t kSmemBytes = SwapInSmem<kTopK, kHot, kHashScale>::kBytes;
+  static constexpr size_t kSmemBytes = SwapInSmem<kDraftTokens * kTopK, kHot, kHashScale>::kBytes;
 
   template <typename SeqT, typename ReqT>
   static void launch(const SwapInParams& params, int64_t bs, int64_t split, DLDevice device) {
-    auto kernel =
-        swap_in_kernel<kTopK, kHot, kItemBytes, kLayout, kRecordPlan, kSkipIO, kThreads, kHashScale, kProbe, SeqT, ReqT>;
+    auto kernel = swap_in_kernel<
+        kTopK, kHot, kItemBytes, kLayout, kRecordPlan, kSkipIO, kThreads, kHashScale, kProbe, kDraftTokens, SeqT, ReqT>;
     // Opting in to >48 KiB of dynamic shared memory is per device and per kernel.
     static std::atomic<uint64_t> opted_in{0};
     const uint64_t bit = uint64_t(1) << (device.device_id & 63);
@@ -628,14 +673,15 @@ struct SwapIn {
     cuda.set_options<kDLCUDA>();
 
     const Selection sel = Selection::verify(
-        top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, num_real_reqs, BS, kTopK, cuda);
+        top_k_tokens, top_k_device_locs, req_pool_indices, seq_lens, num_real_reqs, BS, kTopK, cuda, kDraftTokens);
     TensorMatcher({R, W}).with_strides({RS0, 1}).with_dtype<int32_t>().with_device(cuda).verify(slot_tokens);
     TensorMatcher({R, W}).with_strides({LS0, 1}).with_dtype<int32_t>().with_device(cuda).verify(slot_locs);
     TensorMatcher({R, kHot}).with_strides({US0, 1}).with_dtype<int16_t>().with_device(cuda).verify(lru);
     TensorMatcher({-1, CTX}).with_strides({HS0, 1}).with_dtype<int64_t>().with_device(cuda).verify(host_locs);
     const KvPools pools = KvPools::verify(host_kv, device_kv, cuda);
     TensorMatcher({-1}).with_dtype<uint32_t, int32_t>().with_device(cuda).verify(arrivals);
-    RuntimeCheck(W.unwrap() > kHot, "slot table width must exceed hot_buffer_size (slot HOT holds the newest token)");
+    RuntimeCheck(W.unwrap() >= kHot + kDraftTokens,
+                 "slot table width must exceed hot_buffer_size by the draft tokens (slots HOT.. hold the newest)");
     RuntimeCheck(split >= 1 && split <= 65535, "split must be in [1, 65535], got ", split);
     const int64_t bs = BS.unwrap();
     RuntimeCheck(split == 1 || arrivals.size(0) >= bs, "arrivals workspace is smaller than the batch");
@@ -649,7 +695,7 @@ struct SwapIn {
       TensorMatcher({-1, PW}).with_strides({MD, 1}).with_dtype<int32_t>().with_device(cuda).verify(miss_dst);
       TensorMatcher({-1}).with_dtype<int32_t>().with_device(cuda).verify(miss_count);
       RuntimeCheck(miss_src.size(0) >= bs && miss_count.size(0) >= bs, "miss plan has fewer rows than the batch");
-      RuntimeCheck(PW.unwrap() >= kTopK, "miss plan must hold top_k entries per row");
+      RuntimeCheck(PW.unwrap() >= kDraftTokens * kTopK, "miss plan must hold draft_tokens x top_k entries per request");
       params.miss_src = static_cast<int64_t*>(miss_src.data_ptr());
       params.miss_dst = static_cast<int32_t*>(miss_dst.data_ptr());
       params.miss_count = static_cast<int32_t*>(miss_count.data_ptr());

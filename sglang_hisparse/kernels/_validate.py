@@ -74,18 +74,25 @@ def check_miss_plan(miss_src: torch.Tensor, miss_dst: torch.Tensor, miss_count: 
         fail("miss_dst", f"shape {tuple(miss_dst.shape)} differs from miss_src's {tuple(miss_src.shape)}")
 
 
-def check_selection(top_k_tokens, out, req_pool_indices, seq_lens, num_real_reqs
-                    ) -> tuple[torch.device, int, int]:
-    """A swap-in's batch: top_k_tokens int32 [bs, K] on a GPU, out int32 [bs, K],
-    req_pool_indices / seq_lens int32 or int64 [bs], num_real_reqs int32 [1],
-    all on one device. Returns (device, bs, K)."""
+def check_selection(top_k_tokens, out, req_pool_indices, seq_lens, num_real_reqs,
+                    draft_tokens: int = 1) -> tuple[torch.device, int, int]:
+    """A swap-in's batch: top_k_tokens int32 [bs * n, K] on a GPU, out int32
+    [bs * n, K], req_pool_indices int32 or int64 [bs], seq_lens int32 or int64
+    [bs * n], num_real_reqs int32 [1], all on one device (``n = draft_tokens``
+    rows per request; n > 1 is a speculative verify step). Returns (device,
+    bs, K)."""
     device = check_cuda("top_k_tokens", top_k_tokens, dtypes=(torch.int32,), ndim=2)
-    bs, top_k = top_k_tokens.shape
+    rows, top_k = top_k_tokens.shape
     check_tensor("out", out, dtypes=(torch.int32,), ndim=2, device=device)
-    if tuple(out.shape) != (bs, top_k):
-        fail("out", f"expected shape {(bs, top_k)}, got {tuple(out.shape)}")
-    check_batch_index("req_pool_indices", req_pool_indices, bs, device)
-    check_batch_index("seq_lens", seq_lens, bs, device)
+    if tuple(out.shape) != (rows, top_k):
+        fail("out", f"expected shape {(rows, top_k)}, got {tuple(out.shape)}")
+    if rows % draft_tokens:
+        fail("top_k_tokens", f"{rows} rows are not whole requests of draft_tokens={draft_tokens}")
+    bs = rows // draft_tokens
+    check_batch_index("req_pool_indices", req_pool_indices, bs, device,
+                      "top_k_tokens" if draft_tokens == 1 else
+                      f"top_k_tokens: {rows} rows / draft_tokens={draft_tokens}")
+    check_batch_index("seq_lens", seq_lens, rows, device)
     check_num_real(num_real_reqs, device)
     return device, bs, top_k
 

@@ -98,6 +98,7 @@ def size_problem(
     hot_buffer_size: int,
     block_size: Optional[int] = None,
     *,
+    draft_tokens: int = 1,
     hot_name: str = "hot_buffer_size",
     block_name: str = "block_size",
 ) -> Optional[str]:
@@ -107,27 +108,33 @@ def size_problem(
     wrappers and by ``--hisparse-config`` validation, which passes its own
     names for the sizes (``device_buffer_size``, ``swap_in_block_size``) so
     the message names what the user wrote. ``block_size`` None:
-    DEFAULT_BLOCK_SIZE.
+    DEFAULT_BLOCK_SIZE. A speculative verify step (``draft_tokens`` > 1)
+    resolves ``draft_tokens x top_k`` entries per request at once: the
+    limits apply to that count.
     """
     hot = hot_buffer_size
     if top_k < 1:
         return f"top_k must be >= 1, got {top_k}"
-    if not top_k <= hot <= MAX_HOT_BUFFER_SIZE:
-        return (f"{hot_name} must be in [top_k, {MAX_HOT_BUFFER_SIZE}] (lru is int16), "
-                f"got {hot} with top_k {top_k}")
-    smem = swap_in_smem_bytes(top_k, hot)
+    if draft_tokens < 1:
+        return f"draft_tokens must be >= 1, got {draft_tokens}"
+    entries = top_k * draft_tokens
+    what = "top_k" if draft_tokens == 1 else f"draft_tokens x top_k ({draft_tokens} x {top_k})"
+    if not entries <= hot <= MAX_HOT_BUFFER_SIZE:
+        return (f"{hot_name} must be in [{what}, {MAX_HOT_BUFFER_SIZE}] (lru is int16), "
+                f"got {hot} with {what} {entries}")
+    smem = swap_in_smem_bytes(entries, hot)
     if smem > MAX_SMEM_BYTES:
-        fits = [b for b in range(top_k, MAX_HOT_BUFFER_SIZE + 1, 64)
-                if swap_in_smem_bytes(top_k, b) <= MAX_SMEM_BYTES]
-        hint = (f"{hot_name} must be <= {fits[-1]} with top_k {top_k}" if fits
-                else f"top_k {top_k} is too large for the swap-in kernel")
-        return (f"top_k {top_k} with {hot_name} {hot} needs {smem} B of shared memory "
+        fits = [b for b in range(entries, MAX_HOT_BUFFER_SIZE + 1, 64)
+                if swap_in_smem_bytes(entries, b) <= MAX_SMEM_BYTES]
+        hint = (f"{hot_name} must be <= {fits[-1]} with {what} {entries}" if fits
+                else f"{what} {entries} is too large for the swap-in kernel")
+        return (f"{what} {entries} with {hot_name} {hot} needs {smem} B of shared memory "
                 f"per block; the limit is {MAX_SMEM_BYTES}; {hint}")
     block = DEFAULT_BLOCK_SIZE if block_size is None else block_size
     if block % WARP_SIZE or not MIN_BLOCK_SIZE <= block <= MAX_BLOCK_SIZE:
         return (f"{block_name} must be a multiple of {WARP_SIZE} in [{MIN_BLOCK_SIZE}, "
                 f"{MAX_BLOCK_SIZE}], got {block}")
-    for name, size in ((hot_name, hot), ("top_k", top_k)):
+    for name, size in ((hot_name, hot), (what, entries)):
         if math.ceil(size / block) > MAX_POSITIONS_PER_THREAD:
             least = 32 * math.ceil(math.ceil(size / MAX_POSITIONS_PER_THREAD) / 32)
             return (f"{block_name} {block} is too small for {name} {size}: at most "

@@ -48,6 +48,31 @@ seq_lens[b]``, entries ``t = top_k_tokens[b, j]``):
    and ``tally[1]`` by the number of misses of the real rows (int64; the
    data plane's running hit/miss counts, kept on the device).
 
+Speculative verify (``draft_tokens = n > 1``, MTP/EAGLE with top-k 1): each
+request has ``n`` consecutive batch rows, one per verified token, so
+``top_k_tokens``, ``seq_lens`` and ``out`` have ``bs * n`` rows while
+``req_pool_indices`` (and ``num_real_reqs``, the miss plan) count
+requests. Row ``j`` of request ``g`` is batch row ``g * n + j`` and its
+length ``L_j = seq_lens[g * n + j]`` is the indexer's (``S + j + 1``, with
+``S = L_0 - 1`` the request's committed length: positions ``S .. S + n - 1``
+are the tokens this step verifies, written by this forward). The rules
+above apply to the request's *union* of entries, ``n * K`` of them in row
+order, with these readings (``n = 1`` is exactly the rules above):
+
+* validity (rule 2) uses the entry's own row length ``L_j``;
+* short (rule 3) means ``S < B``: ``out = slot_locs[r, t]`` (the verified
+  tokens sit at slot = position, up to ``B + n - 2``);
+* the newest token (rule 4) becomes every verified position ``t >= S``:
+  it outputs ``slot_locs[r, B + t - S]`` (so ``n`` must fit in the page);
+* ownership, hits, misses, victims and the LRU order (rules 4-7) range
+  over the union: a position several rows select is one candidate, owned
+  by its first occurrence in row order, so it is read from one slot and
+  copied at most once, and no miss evicts a slot any row of the request
+  reads this step (a hot buffer of ``B >= n * K`` never runs out of
+  victims);
+* the miss plan (rule 9) is per request: ``miss_src[g, m]`` for the
+  request's ``m``-th miss, ``m < n * K``.
+
 Row layouts (``layout``): ``"rows"`` - a row is ``host_kv.size(1)`` bytes at
 row index * stride; ``"dsv4_c4"`` (alias ``"c4"``) - DeepSeek-V4 C4 pages of
 ``C4_PAGE_BYTES``: token ``i`` is 576 value bytes at ``(i % 64) * 576`` and 8
@@ -148,15 +173,17 @@ def swap_in(
     req_to_token: Optional[torch.Tensor] = None,
     token_to_row: Optional[torch.Tensor] = None,
     tally: Optional[torch.Tensor] = None,
+    draft_tokens: int = 1,
 ) -> torch.Tensor:
     """Reference swap-in; see the module docstring for the rules.
 
-    Shapes: top_k_tokens int32 [bs, K]; req_pool_indices, seq_lens int32/int64
-    [bs]; num_real_reqs int32 [1]; slot_tokens, slot_locs int32 [R, B + P];
-    lru int16 [R, B]; host_locs int64 [R, max_ctx]; host_kv / device_kv uint8
-    [rows, row bytes] (C4: [pages, C4_PAGE_BYTES]); out int32 [bs, K]
-    (allocated when None);
-    optional miss plan: miss_src int64 [>= bs, >= K], miss_dst int32 (same
+    Shapes (``n = draft_tokens``): top_k_tokens int32 [bs * n, K];
+    req_pool_indices int32/int64 [bs]; seq_lens int32/int64 [bs * n];
+    num_real_reqs int32 [1] (requests); slot_tokens, slot_locs int32
+    [R, B + P]; lru int16 [R, B]; host_locs int64 [R, max_ctx]; host_kv /
+    device_kv uint8 [rows, row bytes] (C4: [pages, C4_PAGE_BYTES]); out int32
+    [bs * n, K] (allocated when None);
+    optional miss plan: miss_src int64 [>= bs, >= n * K], miss_dst int32 (same
     shape), miss_count int32 [>= bs]; optional residency (rule 8): resident
     int32 [R], req_to_token int32 [R, ctx], token_to_row int64 [logical
     slots]; optional tally int64 [2] (rule 10). Mutates out, slot_tokens,
@@ -170,48 +197,63 @@ def swap_in(
         raise ValueError("miss_src, miss_dst and miss_count must be given together")
     if (resident is None) != (req_to_token is None) or (resident is None) != (token_to_row is None):
         raise ValueError("resident, req_to_token and token_to_row must be given together")
-    bs, top_k = top_k_tokens.shape
-    if out is None:
-        out = torch.empty((bs, top_k), dtype=torch.int32, device=top_k_tokens.device)
+    n = int(draft_tokens)
+    rows, top_k = top_k_tokens.shape
+    bs = req_pool_indices.numel()
     hot = lru.size(1)
+    if n < 1 or rows != bs * n or seq_lens.numel() != rows:
+        raise ValueError(
+            f"draft_tokens={n}: top_k_tokens needs {bs} x {n} rows and seq_lens one per row; "
+            f"got {rows} rows and {seq_lens.numel()} lengths for {bs} requests")
+    if hot + n > slot_locs.size(1):
+        raise ValueError(f"draft_tokens={n} does not fit the {slot_locs.size(1) - hot}-slot "
+                         "newest page (verified tokens past the buffer sit there)")
+    if out is None:
+        out = torch.empty((rows, top_k), dtype=torch.int32, device=top_k_tokens.device)
     max_ctx = host_locs.size(1)
     real = real_rows(num_real_reqs, bs)
-    out[real:] = -1
+    out[real * n:] = -1
     if record:
         miss_count[real:bs] = 0
 
     reqs = req_pool_indices.tolist()
     lens = seq_lens.tolist()
     dev = out.device
-    for b in range(real):
-        r, seq_len = int(reqs[b]), int(lens[b])
-        toks = top_k_tokens[b].to(device=dev, dtype=torch.int64)
-        valid = (toks >= 0) & (toks < min(seq_len, max_ctx))
+    for g in range(real):
+        r = int(reqs[g])
+        group = slice(g * n, (g + 1) * n)
+        row_lens = torch.tensor(lens[group], dtype=torch.int64, device=dev)
+        committed = int(lens[g * n]) - 1  # S: positions >= S are verified this step
+        # The union of the request's rows, in row order.
+        toks = top_k_tokens[group].to(device=dev, dtype=torch.int64).reshape(-1)
+        limit = row_lens.clamp(max=max_ctx).repeat_interleave(top_k)
+        valid = (toks >= 0) & (toks < limit)
         locs = slot_locs[r].to(dev)
         safe = torch.where(valid, toks, torch.zeros_like(toks))
         if tally is not None:
             tally[0] += valid.sum().to(tally.device)
 
         if resident is not None and int(resident[r]) != 0:  # rule 8
-            rows = token_to_row[req_to_token[r].to(dev)[safe].to(torch.int64)].to(torch.int32)
-            out[b] = torch.where(valid, rows, torch.full_like(rows, -1))
+            res = token_to_row[req_to_token[r].to(dev)[safe].to(torch.int64)].to(torch.int32)
+            out[group] = torch.where(valid, res, torch.full_like(res, -1)).view(n, top_k)
             if record:
-                miss_count[b] = 0
+                miss_count[g] = 0
             continue
 
-        if seq_len <= hot:  # rule 3
-            out[b] = torch.where(valid, locs[safe], torch.full_like(locs[safe], -1))
+        if committed < hot:  # rule 3
+            res = torch.where(valid, locs[safe], torch.full_like(locs[safe], -1))
+            out[group] = res.view(n, top_k)
             if record:
-                miss_count[b] = 0
+                miss_count[g] = 0
             continue
 
-        newest = valid & (toks == seq_len - 1)
+        newest = valid & (toks >= committed)
         cand = valid & ~newest
         cand_idx = cand.nonzero().squeeze(1)
         cand_tok = toks[cand_idx]
         uniq, inv = torch.unique(cand_tok, sorted=True, return_inverse=True)
         n_u = uniq.numel()
-        owner = torch.full((n_u,), top_k, dtype=torch.int64, device=dev)
+        owner = torch.full((n_u,), n * top_k, dtype=torch.int64, device=dev)
         owner = owner.scatter_reduce(0, inv, cand_idx, reduce="amin")
 
         old = lru[r].to(device=dev, dtype=torch.int64)
@@ -240,10 +282,10 @@ def swap_in(
         loc_u[has_hit] = locs[old[hit_pos[has_hit]]]
         loc_u[kept_u] = locs[victims]
 
-        res = torch.full((top_k,), -1, dtype=out.dtype, device=dev)
+        res = torch.full((n * top_k,), -1, dtype=out.dtype, device=dev)
         res[cand_idx] = loc_u[inv].to(out.dtype)
-        res[newest] = locs[hot].to(out.dtype)
-        out[b] = res
+        res[newest] = locs[hot + toks[newest] - committed].to(out.dtype)
+        out[group] = res.view(n, top_k)
 
         miss_tok = uniq[kept_u]
         src_rows = host_locs[r].to(dev)[miss_tok]
@@ -259,9 +301,9 @@ def swap_in(
         if tally is not None:
             tally[1] += n_miss
         if record:
-            miss_src[b, :n_miss] = src_rows.to(miss_src.device)
-            miss_dst[b, :n_miss] = dst_rows.to(device=miss_dst.device, dtype=miss_dst.dtype)
-            miss_count[b] = n_miss
+            miss_src[g, :n_miss] = src_rows.to(miss_src.device)
+            miss_dst[g, :n_miss] = dst_rows.to(device=miss_dst.device, dtype=miss_dst.dtype)
+            miss_count[g] = n_miss
     return out
 
 

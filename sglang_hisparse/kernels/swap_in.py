@@ -60,13 +60,17 @@ class SwapInVariant(NamedTuple):
     block_size: int = DEFAULT_BLOCK_SIZE
     hash_scale: int = HASH_SCALES[0]  # the widest; default_hash_scale picks per size
     probe: bool = False  # phase stamps (kernels.bench)
+    # Rows per request: > 1 resolves a speculative verify step's rows as one union.
+    draft_tokens: int = 1
 
     def name(self, layout: str) -> str:
+        # (draft_tokens is named only where it is not the decode step's 1)
+        verify = {} if self.draft_tokens == 1 else {"draft_tokens": self.draft_tokens}
         return _jit.variant_name(
             "swap_in", top_k=self.top_k, hot_buffer_size=self.hot_buffer_size,
             item_bytes=self.item_bytes, layout=layout, record_plan=self.record_plan,
             skip_io=self.skip_io, block_size=self.block_size, hash_scale=self.hash_scale,
-            probe=self.probe,
+            probe=self.probe, **verify,
         )
 
 
@@ -78,19 +82,23 @@ def swap_in_module(variant: SwapInVariant):
 
 
 def check_sizes(top_k: int, hot_buffer_size: int, item_bytes: int, layout: str,
-                block_size: Optional[int] = None) -> int:
+                block_size: Optional[int] = None, draft_tokens: int = 1) -> int:
     """Raises on sizes the kernel cannot run; returns the layout id."""
     lid = layout_id(layout)
-    problem = size_problem(top_k, hot_buffer_size, block_size) or item_bytes_problem(item_bytes, layout)
+    problem = (size_problem(top_k, hot_buffer_size, block_size, draft_tokens=draft_tokens)
+               or item_bytes_problem(item_bytes, layout))
     if problem:
         raise ValueError(problem)
     return lid
 
 
-def resolve_hash_scale(top_k: int, hot_buffer_size: int, hash_scale: Optional[int]) -> int:
+def resolve_hash_scale(top_k: int, hot_buffer_size: int, hash_scale: Optional[int],
+                       draft_tokens: int = 1) -> int:
+    """The hash table hashes a request's entries: draft_tokens x top_k."""
+    entries = top_k * draft_tokens
     if hash_scale is None:
-        return default_hash_scale(top_k, hot_buffer_size)
-    problem = hash_scale_problem(top_k, hot_buffer_size, hash_scale)
+        return default_hash_scale(entries, hot_buffer_size)
+    problem = hash_scale_problem(entries, hot_buffer_size, hash_scale)
     if problem:
         raise ValueError(problem)
     return hash_scale
@@ -181,7 +189,7 @@ _MAX_VERDICTS = 1024
 _TENSORS = ("top_k_tokens", "req_pool_indices", "seq_lens", "num_real_reqs", "slot_tokens",
             "slot_locs", "lru", "host_locs", "out", "miss_src", "miss_dst", "miss_count",
             "workspace", "resident", "req_to_token", "token_to_row", "tally")
-_OPTIONS = ("layout", "skip_io", "blocks_per_req", "block_size")
+_OPTIONS = ("layout", "skip_io", "blocks_per_req", "block_size", "draft_tokens")
 
 
 def _geom(t):
@@ -197,31 +205,35 @@ def _key(a: dict, probe, hash_scale) -> tuple:
 
 def _validate(a: dict, probe, hash_scale) -> _Verdict:
     top_k_tokens, out, lru = a["top_k_tokens"], a["out"], a["lru"]
+    ndt = int(a["draft_tokens"])
+    if ndt < 1:
+        fail("draft_tokens", f"must be >= 1, got {ndt}")
     device, bs, top_k = check_selection(top_k_tokens, out, a["req_pool_indices"], a["seq_lens"],
-                                        a["num_real_reqs"])
+                                        a["num_real_reqs"], ndt)
     check_tensor("lru", lru, dtypes=(torch.int16,), ndim=2, device=device)
     hot, max_reqs = lru.size(1), lru.size(0)
     slot_tokens, slot_locs = a["slot_tokens"], a["slot_locs"]
     for name, t in (("slot_tokens", slot_tokens), ("slot_locs", slot_locs)):
         check_tensor(name, t, dtypes=(torch.int32,), ndim=2, device=device)
-        if t.size(0) != max_reqs or t.size(1) <= hot:
-            fail(name, f"expected shape [{max_reqs}, > {hot}] (hot buffer + newest page), "
-                       f"got {tuple(t.shape)}")
+        if t.size(0) != max_reqs or t.size(1) < hot + ndt:
+            fail(name, f"expected shape [{max_reqs}, >= {hot + ndt}] (hot buffer + a newest page "
+                       f"of >= draft_tokens={ndt} slots), got {tuple(t.shape)}")
     if slot_tokens.size(1) != slot_locs.size(1):
         fail("slot_locs", f"width {slot_locs.size(1)} differs from slot_tokens' {slot_tokens.size(1)}")
     check_tensor("host_locs", a["host_locs"], dtypes=(torch.int64,), ndim=2, device=device)
     host_kv = a["host_kv"]
     item_bytes = check_kv(a["layout"], host_kv, a["device_kv"], device)
     threads = DEFAULT_BLOCK_SIZE if a["block_size"] is None else a["block_size"]
-    lid = check_sizes(top_k, hot, item_bytes, a["layout"], threads)
-    scale = resolve_hash_scale(top_k, hot, hash_scale)
+    lid = check_sizes(top_k, hot, item_bytes, a["layout"], threads, ndt)
+    scale = resolve_hash_scale(top_k, hot, hash_scale, ndt)
 
     miss_src, miss_dst, miss_count = a["miss_src"], a["miss_dst"], a["miss_count"]
     record = given_together(miss_src=miss_src, miss_dst=miss_dst, miss_count=miss_count)
     if record:
         check_miss_plan(miss_src, miss_dst, miss_count, device)
-        if miss_src.size(0) < bs or miss_src.size(1) < top_k:
-            fail("miss_src", f"needs shape >= [{bs}, {top_k}], got {tuple(miss_src.shape)}")
+        if miss_src.size(0) < bs or miss_src.size(1) < ndt * top_k:
+            fail("miss_src", f"needs shape >= [{bs}, {ndt * top_k}] (per request: draft_tokens x "
+                             f"top_k), got {tuple(miss_src.shape)}")
         if miss_count.size(0) < bs:
             fail("miss_count", f"needs >= {bs} entries, got {miss_count.size(0)}")
 
@@ -241,7 +253,7 @@ def _validate(a: dict, probe, hash_scale) -> _Verdict:
         if tally.numel() != 2:
             fail("tally", f"expected 2 elements (valid entries, misses), got {tally.numel()}")
     if a["blocks_per_req"] is None:
-        split = default_blocks_per_req(device, bs, top_k, threads)
+        split = default_blocks_per_req(device, bs, ndt * top_k, threads)
     else:
         split = int(a["blocks_per_req"])
         if not 1 <= split <= 65535:
@@ -253,7 +265,7 @@ def _validate(a: dict, probe, hash_scale) -> _Verdict:
             fail("workspace", f"needs >= {bs} entries, got {workspace.size(0)}")
 
     variant = SwapInVariant(top_k, hot, item_bytes, lid, record, bool(a["skip_io"]), threads,
-                            scale, probe is not None)
+                            scale, probe is not None, ndt)
     capturing = torch.cuda.is_current_stream_capturing()
     return _Verdict(
         module=swap_in_module(variant) if bs else None,
@@ -290,7 +302,7 @@ def launch(a: dict, *, probe: Optional[torch.Tensor] = None, hash_scale: Optiona
             if len(_VERDICTS) >= _MAX_VERDICTS:
                 _VERDICTS.clear()
             _VERDICTS[key] = verdict
-    bs = top_k_tokens.size(0)
+    bs = top_k_tokens.size(0) // max(int(a["draft_tokens"]), 1)  # requests
     if bs == 0:
         return out
 
@@ -338,6 +350,7 @@ def swap_in(
     req_to_token: Optional[torch.Tensor] = None,
     token_to_row: Optional[torch.Tensor] = None,
     tally: Optional[torch.Tensor] = None,
+    draft_tokens: int = 1,
 ) -> torch.Tensor:
     """Resolve one layer's top-k against the hot buffers; load misses; fill ``out``.
 
@@ -353,7 +366,9 @@ def swap_in(
     ``resident``/``req_to_token``/``token_to_row`` (together) translate
     resident requests' positions instead (reference rule 8). ``tally``
     (int64 [2]) accumulates valid entries and misses (rule 10) with one
-    atomic add each per request. Returns ``out``.
+    atomic add each per request. ``draft_tokens`` > 1 resolves a speculative
+    verify step: that many rows per request, one union each (its own
+    variant). Returns ``out``.
     """
     return launch(locals())
 

@@ -18,6 +18,7 @@ def compile_variants(
     record_plan: Iterable[bool] = (False,),
     skip_io: Iterable[bool] = (False,),
     probe: Iterable[bool] = (False,),
+    draft_tokens: Iterable[int] = (1,),
     block_size: Optional[int] = None,
     hash_scale: Optional[int] = None,
     copy_planned: bool = False,
@@ -30,7 +31,9 @@ def compile_variants(
 
     By default only what serving launches: the swap-in without plan
     recording, skip-IO or the probe. ``record_plan``/``skip_io``/``probe``
-    list the values of those axes to build (their product is built),
+    list the values of those axes to build (their product is built; so
+    does ``draft_tokens``, the rows per request: 1 decodes, n > 1 verifies
+    n speculative tokens),
     ``copy_planned`` adds the plan replay and ``exactness_check`` the
     SGLANG_HISPARSE_CHECK kernel. Works without a GPU as long as nvcc is
     installed (the target is then sm_90a). ``device_buffer_size`` and
@@ -46,19 +49,20 @@ def compile_variants(
 
     hot_buffer_size = hot_buffer_size or device_buffer_size or 2 * top_k
     block_size = block_size or swap_in_block_size or DEFAULT_BLOCK_SIZE
-    lid = swap_mod.check_sizes(top_k, hot_buffer_size, item_bytes, layout, block_size)
-    hash_scale = swap_mod.resolve_hash_scale(top_k, hot_buffer_size, hash_scale)
     built = []
     with _jit.arch_context():
-        for rec in dict.fromkeys(bool(x) for x in record_plan):
-            for skip in dict.fromkeys(bool(x) for x in skip_io):
-                for stamp in dict.fromkeys(bool(x) for x in probe):
-                    variant = swap_mod.SwapInVariant(
-                        top_k, hot_buffer_size, item_bytes, lid, rec, skip, block_size,
-                        hash_scale, stamp,
-                    )
-                    swap_mod.swap_in_module(variant)
-                    built.append(variant.name(layout))
+        for ndt in dict.fromkeys(int(x) for x in draft_tokens):
+            lid = swap_mod.check_sizes(top_k, hot_buffer_size, item_bytes, layout, block_size, ndt)
+            scale = swap_mod.resolve_hash_scale(top_k, hot_buffer_size, hash_scale, ndt)
+            for rec in dict.fromkeys(bool(x) for x in record_plan):
+                for skip in dict.fromkeys(bool(x) for x in skip_io):
+                    for stamp in dict.fromkeys(bool(x) for x in probe):
+                        variant = swap_mod.SwapInVariant(
+                            top_k, hot_buffer_size, item_bytes, lid, rec, skip, block_size,
+                            scale, stamp, ndt,
+                        )
+                        swap_mod.swap_in_module(variant)
+                        built.append(variant.name(layout))
         if copy_planned:
             copy_mod.copy_planned_module(item_bytes, lid)
             built.append(copy_mod.variant_name(item_bytes, layout))
