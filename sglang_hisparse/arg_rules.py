@@ -64,10 +64,35 @@ class HiSparseServerArgs:
     kv_cache_dtype: str
     dsa_prefill_backend: str | None
     dsa_decode_backend: str | None
-    speculative_algorithm: str | None  # None: no speculative decoding
+    speculative: SpeculativeArgs | None  # None: no speculative decoding
     disaggregation_mode: str  # --disaggregation-mode: "null", "prefill" or "decode"
     # What sizes this node's pinned host pools (None: not estimated, no check).
     host_memory: HostMemoryInputs | None = None
+
+
+@dataclass(frozen=True)
+class SpeculativeArgs:
+    """The speculative-decoding settings, as SGLang resolved them (its
+    defaults for DeepSeek-V3.2 are 3 steps, top-k 1, 4 draft tokens)."""
+
+    algorithm: str  # --speculative-algorithm as given (NEXTN is SGLang's alias of EAGLE)
+    num_steps: int | None
+    eagle_topk: int | None
+    num_draft_tokens: int | None
+    adaptive: bool  # --speculative-adaptive
+    multi_layer_eagle: bool  # --enable-multi-layer-eagle
+    overlap_schedule: bool  # not --disable-overlap-schedule
+    spec_v2: bool  # SGLANG_ENABLE_SPEC_V2
+    overlap_plan_stream: bool  # SGLANG_ENABLE_OVERLAP_PLAN_STREAM
+    page_size: int  # --page-size (SGLang forces 64 on DSA models)
+
+    @property
+    def draft_tokens(self) -> int:
+        return self.num_draft_tokens or 1
+
+
+# What --speculative-algorithm may be with --enable-hisparse: linear MTP.
+SPECULATIVE_ALGORITHMS = ("EAGLE", "NEXTN")
 
 
 def check_hisparse_server_args(args: HiSparseServerArgs) -> HiSparseConfig:
@@ -90,10 +115,11 @@ def find_problems(args: HiSparseServerArgs) -> tuple[list[str], HiSparseConfig |
             "architectures with an index_topk) and DeepSeek-V4 only; got "
             f"architecture {args.model_architecture!r}"
         )
+    draft_tokens = args.speculative.draft_tokens if args.speculative else 1
     try:
         parsed = parse_hisparse_config(args.hisparse_config)
         if args.model_family is not None:
-            config = parsed.resolve(args.model_index_topk)
+            config = parsed.resolve(args.model_index_topk, draft_tokens)
     except HiSparseConfigError as exc:
         problems.append(str(exc))
 
@@ -110,16 +136,8 @@ def find_problems(args: HiSparseServerArgs) -> tuple[list[str], HiSparseConfig |
             f"--enable-hisparse does not support pipeline parallelism yet: "
             f"--pp-size must be 1, got {args.pp_size}"
         )
-    # 0.5.13's MTP/EAGLE steps allocate, write and read KV on paths that never
-    # reach the HiSparse data plane: draft tokens get no row mapping and verify
-    # reads the logical page table through the mapping, so a request whose KV
-    # is on host would attend to rows it does not own. Refused until the data
-    # plane has a multi-token swap-in (upstream wired one in 0.5.22).
-    if args.speculative_algorithm is not None:
-        problems.append(
-            f"--enable-hisparse does not support speculative decoding (MTP/EAGLE) yet: "
-            f"--speculative-algorithm must be unset, got {args.speculative_algorithm}"
-        )
+    if args.speculative is not None:
+        problems += speculative_problems(args)
     # A PD decode node retracts under memory pressure; 0.5.13 retracts by
     # snapshotting the device KV (get_cpu_copy), which the C4 allocator and
     # pool cannot do (hot buffers hold a moving subset of the tokens), and
@@ -138,6 +156,65 @@ def find_problems(args: HiSparseServerArgs) -> tuple[list[str], HiSparseConfig |
         if problem:
             problems.append(problem)
     return problems, config
+
+
+def speculative_problems(args: HiSparseServerArgs) -> list[str]:
+    """What linear MTP/EAGLE with HiSparse needs (the draft-token count the
+    buffer must hold is checked with --hisparse-config, by resolve)."""
+    spec = args.speculative
+    assert spec is not None
+    problems = []
+    if spec.algorithm.upper() not in SPECULATIVE_ALGORITHMS:
+        problems.append(
+            f"--enable-hisparse supports --speculative-algorithm "
+            f"{' or '.join(SPECULATIVE_ALGORITHMS)} (MTP), got {spec.algorithm}")
+    if spec.eagle_topk not in (None, 1):
+        problems.append(
+            "--enable-hisparse supports linear drafts only: --speculative-eagle-topk "
+            f"must be 1, got {spec.eagle_topk}")
+    if spec.adaptive:
+        problems.append(
+            "--enable-hisparse does not support --speculative-adaptive: the swap-in is "
+            "built for a fixed --speculative-num-draft-tokens")
+    if spec.multi_layer_eagle:
+        problems.append("--enable-hisparse does not support --enable-multi-layer-eagle")
+    # A request waiting on host (staging, parked) keeps the draft state its
+    # prefill made in the overlap scheduler's FutureMap; the non-overlap path
+    # hands it to the next batch directly, which HiSparse's rebuilt batches skip.
+    if not (spec.overlap_schedule and spec.spec_v2):
+        problems.append(
+            "--enable-hisparse with speculative decoding needs the overlap scheduler: "
+            "remove --disable-overlap-schedule and leave SGLANG_ENABLE_SPEC_V2 at 1")
+    if spec.overlap_plan_stream:
+        problems.append(
+            "--enable-hisparse with speculative decoding needs "
+            "SGLANG_ENABLE_OVERLAP_PLAN_STREAM unset or 0 (a planned batch would read "
+            "slots before the previous verify step commits them)")
+    ndt = spec.draft_tokens
+    if ndt > spec.page_size:
+        problems.append(
+            f"--enable-hisparse: --speculative-num-draft-tokens {ndt} exceeds --page-size "
+            f"{spec.page_size}; tokens verified past the hot buffer sit in its newest-token "
+            "page, so it must be <= the page size")
+    if args.model_family is ModelFamily.DEEPSEEK_V4:
+        problems.append(
+            "--enable-hisparse on DeepSeek-V4 does not support speculative decoding yet; "
+            "supported: DSA models (DeepSeek-V3.2, GLM-5)")
+    if args.disaggregation_mode == "decode":
+        problems.append(
+            "--enable-hisparse does not support speculative decoding on a PD decode node "
+            "(--disaggregation-mode decode) yet")
+    # 0.5.13's verify step writes the draft tokens' KV and reads the page table
+    # on paths our data plane does not reach yet: the union swap-in
+    # (kernels: draft_tokens x top_k per request) exists, the SGLang side of
+    # the verify and its commit do not. Until they land every configuration
+    # is refused, with the rules above already in force.
+    problems.append(
+        "--enable-hisparse does not support speculative decoding (MTP/EAGLE) yet: "
+        "--speculative-algorithm must be unset, got "
+        f"{spec.algorithm} (EAGLE/NEXTN with --speculative-eagle-topk 1 and the overlap "
+        "scheduler is what it will take)")
+    return problems
 
 
 def _dsa_kv_problems(args: HiSparseServerArgs) -> list[str]:

@@ -58,7 +58,8 @@ class HiSparseConfigError(ValueError):
 class HiSparseConfig:
     # None: not given; resolve() takes the model's index_topk.
     top_k: int | None = None
-    # None: not given; resolve() makes it 2 x top_k.
+    # None: not given; resolve() makes it (draft tokens + 1) x top_k: 2 x top_k
+    # for plain decoding.
     device_buffer_size: int | None = None
     host_to_device_ratio: int = DEFAULT_HOST_TO_DEVICE_RATIO
     # None: the kernel's DEFAULT_BLOCK_SIZE (measured, not guessed; kernels/limits.py).
@@ -68,12 +69,17 @@ class HiSparseConfig:
     def is_resolved(self) -> bool:
         return self.top_k is not None and self.device_buffer_size is not None
 
-    def resolve(self, model_index_topk: int | None) -> HiSparseConfig:
+    def resolve(self, model_index_topk: int | None, draft_tokens: int = 1) -> HiSparseConfig:
         """Fill ``top_k`` from the model and ``device_buffer_size`` from top_k.
 
         ``model_index_topk`` is the model config's ``index_topk`` (None for a
-        model without one). Raises HiSparseConfigError if an explicit top_k
-        differs from it, or if neither gives a top_k.
+        model without one). ``draft_tokens`` is the tokens one speculative
+        verify step checks (``--speculative-num-draft-tokens``; 1 without
+        speculation): the swap-in resolves all their rows at once, so the
+        buffer must hold ``draft_tokens x top_k`` and defaults to one top-k
+        more than that (vLLM's choice too: room to keep hits of earlier
+        steps). Raises HiSparseConfigError if an explicit top_k differs from
+        the model's, or if neither gives a top_k.
         """
         top_k = self.top_k
         if model_index_topk is not None:
@@ -90,10 +96,12 @@ class HiSparseConfig:
                 "given (a positive integer)"
             )
         device_buffer_size = (
-            2 * top_k if self.device_buffer_size is None else self.device_buffer_size
+            (draft_tokens + 1) * top_k if self.device_buffer_size is None
+            else self.device_buffer_size
         )
         _check_buffer_holds_top_k(device_buffer_size, top_k)
-        _check_swap_in_kernel_limits(top_k, device_buffer_size, self.swap_in_block_size)
+        _check_swap_in_kernel_limits(top_k, device_buffer_size, self.swap_in_block_size,
+                                     draft_tokens)
         return replace(self, top_k=top_k, device_buffer_size=device_buffer_size)
 
 
@@ -158,12 +166,13 @@ def _check_buffer_holds_top_k(device_buffer_size: int, top_k: int) -> None:
 
 
 def _check_swap_in_kernel_limits(top_k: int, device_buffer_size: int,
-                                 swap_in_block_size: int | None) -> None:
+                                 swap_in_block_size: int | None, draft_tokens: int = 1) -> None:
     """What the swap-in kernel can run, named as this config names the sizes."""
     from sglang_hisparse.kernels.limits import size_problem
 
     problem = size_problem(top_k, device_buffer_size, swap_in_block_size,
-                           hot_name="device_buffer_size", block_name="swap_in_block_size")
+                           draft_tokens=draft_tokens, hot_name="device_buffer_size",
+                           block_name="swap_in_block_size")
     if problem:
         raise HiSparseConfigError(f"{FLAG}: {problem}")
 

@@ -15,6 +15,8 @@ from helpers_sglang import TINY_DSV32, check_server_args_cases
 
 HISPARSE = ["--device", "cuda", "--enable-hisparse", "--disable-radix-cache"]
 EAGLE = ["--speculative-algorithm", "EAGLE", "--speculative-eagle-topk", "1"]
+# SGLang asserts top-k and draft tokens come with the steps.
+LINEAR = [*EAGLE, "--speculative-num-steps", "3", "--speculative-num-draft-tokens", "4"]
 
 
 def dsv32(*extra: str) -> dict:
@@ -91,6 +93,16 @@ def cases_with_plugin(dirs) -> dict:
                                                "--speculative-eagle-topk", "2",
                                                "--speculative-num-steps", "3",
                                                "--speculative-num-draft-tokens", "8"),
+        # Linear MTP, each rule of speculative_problems broken once.
+        "speculative_nextn": dsv32("--speculative-algorithm", "NEXTN"),
+        "speculative_non_overlap": dsv32(*LINEAR, "--disable-overlap-schedule"),
+        "speculative_adaptive": dsv32(*LINEAR, "--speculative-adaptive"),
+        "speculative_multi_layer": dsv32(*LINEAR, "--enable-multi-layer-eagle"),
+        "speculative_buffer_below_rows": dsv32(*LINEAR,
+                                               *config({"device_buffer_size": 6144})),
+        "speculative_draft_past_page": {**dsv32(*LINEAR), "set": {"page_size": 2}},
+        "speculative_pd_decode": dsv32(*LINEAR, "--disaggregation-mode", "decode"),
+        "speculative_deepseek_v4": v4(*LINEAR),
         "pipeline_parallel": dsv32("--pp-size", "2", "--disable-overlap-schedule"),
         "several_problems": {"argv": ["--model-path", str(TINY_DSV32), "--device", "cuda",
                                       "--enable-hisparse", "--enable-mixed-chunk",
@@ -262,13 +274,38 @@ def test_dsa_backend_must_read_the_hisparse_pool(ours):
 def test_speculative_decoding_is_rejected(ours):
     # 0.5.13's draft and verify steps bypass the data plane: refused, linear
     # drafts included, before any weight loads.
-    for case in ("speculative_linear", "speculative_tree"):
+    for case in ("speculative_linear", "speculative_tree", "speculative_nextn"):
         rejected(ours[case], "does not support speculative decoding (MTP/EAGLE) yet",
-                 "--speculative-algorithm must be unset, got EAGLE")
+                 "--speculative-algorithm must be unset, got")
+    # A linear draft breaks no other rule: that one line is all it gets.
+    for case in ("speculative_linear", "speculative_nextn"):
+        assert "problems with --enable-hisparse" not in ours[case]["error"], ours[case]
+    # A tree of 8 draft tokens is refused for its top-k, and its 8 x 2048 rows
+    # would not fit the kernel either.
+    rejected(ours["speculative_tree"], "3 problems", "--speculative-eagle-topk must be 1, got 2",
+             "draft_tokens x top_k (8 x 2048) 16384")
     # With the DSA attention backend SGLang already refuses topk > 1 on pages.
     native_first = ours["speculative_tree_native_first"]
     assert native_first["stage"] == "prepare_server_args"
     assert "page_size > 1" in native_first["error"]
+
+
+@pytest.mark.parametrize("case,fragments", [
+    ("speculative_non_overlap", ("needs the overlap scheduler", "--disable-overlap-schedule",
+                                 "SGLANG_ENABLE_SPEC_V2")),
+    ("speculative_adaptive", ("does not support --speculative-adaptive",)),
+    ("speculative_multi_layer", ("does not support --enable-multi-layer-eagle",)),
+    # SGLang's 3 steps make 4 draft tokens: 4 x 2048 rows do not fit 6144.
+    ("speculative_buffer_below_rows", ("--hisparse-config", "device_buffer_size must be in "
+                                       "[draft_tokens x top_k (4 x 2048), 32767]", "got 6144")),
+    ("speculative_draft_past_page", ("--speculative-num-draft-tokens 4 exceeds --page-size "
+                                     "2",)),
+    ("speculative_pd_decode", ("speculative decoding on a PD decode node",)),
+    ("speculative_deepseek_v4", ("on DeepSeek-V4 does not support speculative decoding",)),
+])
+def test_each_speculative_rule_names_its_flag(ours, case, fragments):
+    message = rejected(ours[case], "2 problems", *fragments)
+    assert "does not support speculative decoding (MTP/EAGLE) yet" in message
 
 
 def test_pipeline_parallelism_not_supported_yet(ours):
@@ -332,7 +369,7 @@ def _dsa_args(**changes):
         model_index_topk=2048, hisparse_config=None, disable_radix_cache=True,
         enable_mixed_chunk=False, pp_size=1, kv_cache_dtype="bfloat16",
         dsa_prefill_backend="flashmla_sparse", dsa_decode_backend="flashmla_sparse",
-        speculative_algorithm=None, disaggregation_mode="null",
+        speculative=None, disaggregation_mode="null",
     )
     return replace(args, **changes)
 
@@ -362,3 +399,20 @@ def test_rules_refuse_deepseek_v4_on_a_pd_decode_node_only():
     for mode in ("null", "prefill"):
         assert find_problems(_dsa_args(**v4, disaggregation_mode=mode))[0] == []
     assert find_problems(_dsa_args(disaggregation_mode="decode"))[0] == []
+
+
+def test_the_buffer_under_speculation_defaults_to_one_top_k_past_the_rows():
+    from dataclasses import replace
+
+    from sglang_hisparse.arg_rules import SpeculativeArgs, find_problems
+
+    spec = SpeculativeArgs(algorithm="EAGLE", num_steps=3, eagle_topk=1, num_draft_tokens=4,
+                           adaptive=False, multi_layer_eagle=False, overlap_schedule=True,
+                           spec_v2=True, overlap_plan_stream=True, page_size=64)
+    problems, config = find_problems(_dsa_args(speculative=spec))
+    assert config.device_buffer_size == 5 * 2048  # (4 draft tokens + 1) x top_k
+    assert any("SGLANG_ENABLE_OVERLAP_PLAN_STREAM" in p for p in problems), problems
+    # Five draft tokens' 10240 entries do not fit the kernel's shared memory.
+    problems, _ = find_problems(_dsa_args(speculative=replace(spec, num_draft_tokens=5)))
+    assert any("draft_tokens x top_k (5 x 2048) 10240" in p and "shared memory" in p
+               for p in problems), problems

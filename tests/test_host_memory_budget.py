@@ -227,7 +227,7 @@ def test_the_rules_report_it_with_every_other_problem():
         model_index_topk=2048, hisparse_config='{"host_to_device_ratio": 8}',
         disable_radix_cache=False, enable_mixed_chunk=False, pp_size=1,
         kv_cache_dtype="bfloat16", dsa_prefill_backend=None, dsa_decode_backend=None,
-        speculative_algorithm=None, disaggregation_mode="null", host_memory=inputs(),
+        speculative=None, disaggregation_mode="null", host_memory=inputs(),
     )
     problems, config = find_problems(args)
     assert config.host_to_device_ratio == 8

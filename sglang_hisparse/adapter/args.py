@@ -35,6 +35,7 @@ from sglang_hisparse.arg_rules import (
     HostKVLayout,
     HostMemoryInputs,
     ModelFamily,
+    SpeculativeArgs,
     dsa_device_token_bytes,
     dsa_row_bytes,
     find_problems,
@@ -73,9 +74,6 @@ def hisparse_server_args(
     model_config = server_args.get_model_config()
     hf_config = model_config.hf_config
     architectures = getattr(hf_config, "architectures", None) or [None]
-    speculative_algorithm = server_args.speculative_algorithm
-    if speculative_algorithm is not None and speculative_algorithm.upper() == "NONE":
-        speculative_algorithm = None
     family = model_family(hf_config)
     return HiSparseServerArgs(
         model_architecture=architectures[0],
@@ -88,12 +86,34 @@ def hisparse_server_args(
         kv_cache_dtype=server_args.kv_cache_dtype,
         dsa_prefill_backend=server_args.dsa_prefill_backend,
         dsa_decode_backend=server_args.dsa_decode_backend,
-        speculative_algorithm=speculative_algorithm,
+        speculative=speculative_args(server_args),
         disaggregation_mode=str(server_args.disaggregation_mode),
         host_memory=host_memory_inputs(
             server_args, model_config, family,
             read_meminfo=read_meminfo, device_memory_capacity=device_memory_capacity,
         ),
+    )
+
+
+def speculative_args(server_args) -> SpeculativeArgs | None:
+    """The speculative settings SGLang resolved (``__post_init__`` fills the
+    steps / top-k / draft tokens before ``check_server_args`` runs)."""
+    from sglang.srt.environ import envs
+
+    algorithm = server_args.speculative_algorithm
+    if algorithm is None or algorithm.upper() == "NONE":
+        return None
+    return SpeculativeArgs(
+        algorithm=algorithm,
+        num_steps=server_args.speculative_num_steps,
+        eagle_topk=server_args.speculative_eagle_topk,
+        num_draft_tokens=server_args.speculative_num_draft_tokens,
+        adaptive=bool(server_args.speculative_adaptive),
+        multi_layer_eagle=bool(server_args.enable_multi_layer_eagle),
+        overlap_schedule=not server_args.disable_overlap_schedule,
+        spec_v2=bool(envs.SGLANG_ENABLE_SPEC_V2.get()),
+        overlap_plan_stream=bool(envs.SGLANG_ENABLE_OVERLAP_PLAN_STREAM.get()),
+        page_size=int(server_args.page_size or 1),
     )
 
 
@@ -325,7 +345,9 @@ def apply_hisparse_dsa_backend_defaults(
 def resolved_hisparse_config(server_args) -> HiSparseConfig:
     """The resolved HiSparse config for these server args (raises HiSparseConfigError)."""
     parsed = parse_hisparse_config_text(server_args.hisparse_config)
-    return parsed.resolve(model_index_topk(server_args.get_model_config()))
+    spec = speculative_args(server_args)
+    return parsed.resolve(model_index_topk(server_args.get_model_config()),
+                          spec.draft_tokens if spec else 1)
 
 
 def parse_hisparse_config(server_args):
