@@ -115,6 +115,17 @@ def installed_server_args(args):
         sa.set_global_server_args_for_scheduler(before)
 
 
+def speculative_server_args():
+    """The default ServerArgs as a speculative (EAGLE) server resolves them:
+    release_kv_cache then frees the spec reserve past the committed length
+    instead of asserting there is none."""
+    import copy
+
+    args = copy.copy(_default_server_args())
+    args.speculative_algorithm = "EAGLE"
+    return installed_server_args(args)
+
+
 @contextlib.contextmanager
 def sglang_server_args():
     """SGLang's batch and cache functions read the process-wide ServerArgs.

@@ -51,6 +51,7 @@ from sglang_hisparse.engine.policies.retain_on_retract import RetainOnRetract
 from sglang_hisparse.engine.state import ReqState, RequestTable
 from sglang_hisparse.engine.streams import RealRequestCount, Streams, TrailingReader
 from sglang_hisparse.engine.tables import RequestTables
+from sglang_hisparse.engine.verify import VerifyStep
 from sglang_hisparse.kernels import synthetic_top_k
 
 logger = logging.getLogger(__name__)
@@ -106,6 +107,7 @@ class Coordinator:
         parking: Optional[bool] = None,
         pd_decode: bool = False,
         exactness_check: Optional[bool] = None,
+        draft_tokens: int = 1,
     ):
         if device_buffer_size < top_k:
             raise ValueError(
@@ -151,10 +153,12 @@ class Coordinator:
 
         max_reqs = req_to_token_pool.req_to_token.shape[0]
         max_host_ctx = -(-req_to_token_pool.max_context_len // self.compress_ratio)
+        # Speculative verify (MTP/EAGLE): rows per request of each swap-in.
+        self.draft_tokens = int(draft_tokens)
         self.tables = t = RequestTables(
             max_reqs=max_reqs, max_host_ctx=max_host_ctx, layers=self.layer_num,
             top_k=top_k, buffer_size=device_buffer_size, page_size=self.page_size,
-            device=device)
+            device=device, rows_per_req=self.draft_tokens)
         # 0.5.13's attribute names (SGLang, tests and scripts read them).
         self.req_to_device_buffer = t.req_to_device_buffer
         self.req_device_buffer_size = t.req_device_buffer_size
@@ -194,8 +198,13 @@ class Coordinator:
         # request cannot be served; the adapter aborts it with that reason.
         self.on_drift: Optional[Callable[[object, str], None]] = None
 
+        self.verify = VerifyStep(self, self.draft_tokens) if self.draft_tokens > 1 else None
         if residency is None:
             residency = os.environ.get(RESIDENCY_ENV, "1") != "0"
+        if self.verify is not None:
+            # A resident's verify tokens would need its own rows mapped
+            # ahead (residency.grow runs only on the decode path).
+            residency = False
         if parking is None:
             parking = os.environ.get(PARKING_ENV, "1") != "0"
         # C4 rows are compressed per page of tokens: residency and parking
@@ -207,6 +216,8 @@ class Coordinator:
 
         if exactness_check is None:
             exactness_check = os.environ.get(CHECK_ENV) == "1"
+        if exactness_check and self.verify is not None:
+            raise ValueError(f"{CHECK_ENV}=1 does not check speculative verify rows yet")
         self.exactness = ExactnessCheck(self) if exactness_check else None
 
         if hasattr(alloc, "set_reservation_provider"):
@@ -502,16 +513,22 @@ class Coordinator:
         self.host_bytes_read_staging += n * self.item_size_bytes * self.layer_num
 
     def _grow_device_buffers(self, seq_list, idx_list) -> None:
-        B = self.device_buffer_size
+        """Short hot buffers grow to hold ``seq`` tokens (decode: one more a
+        step; a verify step: its draft tokens, possibly past B, which takes
+        the padded buffer at once)."""
+        full = self.padded_buffer_size
         grows = []
         records = self.requests
         for seq, idx in zip(seq_list, idx_list):
+            cap = int(self.tables.buffer_size_np[idx])
+            if cap >= full:
+                continue
             rec = records.record(idx)
             if rec is None or rec.state is not _HOT:
                 continue
-            cap = int(self.tables.buffer_size_np[idx])
-            if seq <= B and seq > cap:
-                grows.append((idx, cap, self._buffer_size_for(seq)))
+            need = self._buffer_size_for(seq)
+            if need > cap:
+                grows.append((idx, cap, need))
         total = sum(new - old for _, old, new in grows)
         if total <= 0:
             return
@@ -633,16 +650,21 @@ class Coordinator:
     def swap_in_selected_pages(self, req_pool_indices, compressed_seq_lens, top_k_result,
                                layer_id: int) -> torch.Tensor:
         """Physical rows of the selected tokens, loading misses from host (per layer)."""
-        bs = req_pool_indices.size(0)
-        out = self.top_k_device_locs_buffer[:bs]
+        rows = top_k_result.size(0)  # requests x draft tokens in a verify step
+        draft_tokens = rows // max(req_pool_indices.size(0), 1) if rows else 1
+        out = self.top_k_device_locs_buffer[:rows]
         if self.synthetic_trace is not None:
+            if draft_tokens != 1:
+                raise ValueError(f"{SYNTHETIC_TOPK_ENV} does not drive verify rows")
             top_k_result = synthetic_top_k.synthetic_top_k(
                 req_pool_indices, compressed_seq_lens, layer_id, self.synthetic_trace,
-                self._synthetic_top_k[:bs, :top_k_result.size(1)])
+                self._synthetic_top_k[:rows, :top_k_result.size(1)])
         fn = self._swap_in_fn or _swap_in_kernel()
         extra = {} if self.swap_in_block_size is None else {"block_size": self.swap_in_block_size}
         if self.skip_io:
             extra["skip_io"] = True
+        if draft_tokens != 1:
+            extra["draft_tokens"] = draft_tokens
         if self.residency.enabled:
             extra.update(resident=self.req_resident,
                          req_to_token=self.req_to_token_pool.req_to_token,

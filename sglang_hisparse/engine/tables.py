@@ -13,8 +13,9 @@ One row per ``req_pool_idx`` slot, allocated once for the pool's capacity
   swap-in kernel's state;
 * ``resident`` [R] int32 - the kernel's flag for requests whose whole KV is
   on the GPU;
-* ``top_k_out`` / ``raw_indices`` [R, top_k] int32 - the swap-in's output and
-  SGLang's raw top-k scratch (``raw_indices_buffer``).
+* ``top_k_out`` / ``raw_indices`` [R x rows per request, top_k] int32 - the
+  swap-in's output and SGLang's raw top-k scratch (``raw_indices_buffer``);
+  a speculative verify step has one row per draft token.
 
 The names of the 0.5.13 coordinator attributes SGLang reads
 (``req_to_host_pool``, ``req_to_host_pool_allocated_len``,
@@ -28,7 +29,7 @@ import torch
 
 class RequestTables:
     def __init__(self, *, max_reqs: int, max_host_ctx: int, layers: int, top_k: int,
-                 buffer_size: int, page_size: int, device):
+                 buffer_size: int, page_size: int, device, rows_per_req: int = 1):
         B, P = buffer_size, buffer_size + page_size
         self.buffer_size, self.padded_buffer_size = B, P
         i32 = dict(dtype=torch.int32, device=device)
@@ -48,8 +49,8 @@ class RequestTables:
         self.lru_init = torch.arange(B, dtype=torch.int16, device=device)
         self.lru = self.lru_init.repeat(layers, max_reqs, 1).contiguous()
         self.arange_i32 = torch.arange(P, **i32)
-        self.top_k_out = torch.full((max_reqs, top_k), -1, **i32)
-        self.raw_indices = torch.full((max_reqs, top_k), -1, **i32)
+        self.top_k_out = torch.full((max_reqs * rows_per_req, top_k), -1, **i32)
+        self.raw_indices = torch.full((max_reqs * rows_per_req, top_k), -1, **i32)
         self.resident = torch.zeros(max_reqs, **i32)
 
     def set_hot_buffer(self, idx: int, rows: torch.Tensor) -> None:

@@ -1,0 +1,120 @@
+"""The speculative verify step on CPU with real SGLang pools (engine/verify.py).
+
+Each step does what 0.5.13's EAGLE worker does around the target's verify
+forward, with SGLang's own allocator calls: the spec reserve takes logical
+slots for the draft positions (``alloc_logical_only``, as a PD decode node's
+prealloc does), ``map_slots`` points them at hot-buffer rows, the "forward"
+writes each position's tag into the rows the mapping gives, the union
+swap-in reads a random top-k per verify row, ``commit`` writes the rows
+through, and an accept length of 1..n moves the committed length on.
+Every read must return the tag of the position asked for, host rows must
+hold every committed position's bytes, and finish / abort between the
+steps must return every slot.
+"""
+
+import random
+
+import pytest
+import torch
+
+from dataplane_fixtures import get_tag, put_tag, speculative_server_args, t64
+from test_coordinator import TOPK, Env
+
+N = 4  # draft tokens: 3 steps, top-k 1
+
+
+def reserve(env, req, upto):
+    """Logical slots for positions [kv_allocated_len, upto) (the spec reserve)."""
+    idx, have = req.req_pool_idx, req.kv_allocated_len
+    if upto <= have:
+        return
+    last = env.r2t.req_to_token[idx, have - 1].to(torch.int64).reshape(1)
+    locs = env.alloc.alloc_logical_only(t64(have), t64(have), t64(upto), t64(upto), last,
+                                        upto - have)
+    assert locs is not None
+    env.r2t.req_to_token[idx, have:upto] = locs.to(torch.int32)
+    req.kv_allocated_len = upto
+
+
+def verify_step(env, reqs, committed, gen, accept=None):
+    """One verify step; returns the new committed lengths."""
+    coord, n = env.coord, N
+    rpi = [r.req_pool_idx for r in reqs]
+    for r, s in zip(reqs, committed):
+        reserve(env, r, s + n)
+    locs = torch.stack([env.r2t.req_to_token[r.req_pool_idx, s:s + n].to(torch.int64)
+                        for r, s in zip(reqs, committed)])
+    coord.verify.map_slots(rpi, committed, locs)
+    rows = env.alloc.translate_to_physical(locs.reshape(-1))
+    assert bool((rows > 0).all()), "a verify slot is unmapped"
+    positions = torch.cat([torch.arange(s, s + n) for s in committed])
+    for layer in range(env.pool.layer_num):  # the forward writes the verified tokens
+        put_tag(env.pool.kv_buffer[layer], rows, positions)
+
+    # every verify row selects older positions and its own verified ones
+    top = torch.full((len(reqs) * n, TOPK), -1, dtype=torch.int32)
+    for b, s in enumerate(committed):
+        for j in range(n):
+            pick = gen.sample(range(s + j + 1), min(TOPK, s + j + 1))
+            top[b * n + j, :len(pick)] = torch.tensor(pick, dtype=torch.int32)
+    coord.num_real_reqs.fill_(len(reqs))
+    seq_rows = t64(*[s + j + 1 for s in committed for j in range(n)])
+    for layer in range(env.pool.layer_num):
+        out = coord.swap_in_selected_pages(t64(*rpi), seq_rows, top, layer)
+        for row in range(len(reqs) * n):
+            want = [t for t in top[row].tolist() if t >= 0]
+            assert get_tag(env.pool.kv_buffer[layer], out[row, :len(want)]) == want, (layer, row)
+
+    coord.verify.commit(rpi, committed, locs)
+    assert int(env.alloc.full_to_hisparse_device_index_mapping[locs.reshape(-1)].abs().sum()) == 0
+    new = []
+    for b, (r, s) in enumerate(zip(reqs, committed)):
+        kept = accept[b] if accept else gen.randint(1, n)  # accept_length + 1
+        host = coord.req_to_host_pool[r.req_pool_idx, :s + kept]
+        assert get_tag(env.host.kv_buffer[1], host) == list(range(s + kept))
+        r.kv_committed_len = s + kept
+        new.append(s + kept)
+    return new
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_every_accept_length_reads_and_writes_back_exactly(seed):
+    env = Env(phys=2048, draft_tokens=N)
+    gen = random.Random(seed)
+    # long, short, and one whose verify rows cross the buffer's end (B = 128)
+    reqs = [env.staged("long", 300), env.staged("short", 40), env.staged("edge", 126)]
+    env.coord.collect_ready_reqs()
+    committed = [300, 40, 126]
+    for step in range(40):
+        accept = [(step + b) % N + 1 for b in range(3)]  # every length, every request
+        committed = verify_step(env, reqs, committed, gen, accept if step < 8 else None)
+    assert committed[1] > 128  # the short one grew past the buffer
+    with speculative_server_args():
+        for r in reqs:
+            env.finish(r)
+    assert env.drained()
+
+
+@pytest.mark.parametrize("when", ["after_map", "after_commit"])
+def test_finish_or_abort_mid_step_returns_everything(when):
+    env = Env(phys=2048, draft_tokens=N)
+    gen = random.Random(7)
+    a, b = env.staged("a", 200), env.staged("b", 90)
+    env.coord.collect_ready_reqs()
+    committed = verify_step(env, [a, b], [200, 90], gen)
+    for r, s in zip((a, b), committed):
+        reserve(env, r, s + N)
+    locs = torch.stack([env.r2t.req_to_token[r.req_pool_idx, s:s + N].to(torch.int64)
+                        for r, s in zip((a, b), committed)])
+    env.coord.verify.map_slots([a.req_pool_idx, b.req_pool_idx], committed, locs)
+    if when == "after_commit":
+        env.coord.verify.commit([a.req_pool_idx, b.req_pool_idx], committed, locs)
+    with speculative_server_args():
+        env.finish(a)  # the verify slots of a step in flight are in kv_allocated_len
+        env.finish(b)
+    assert env.drained()
+
+
+def test_a_verify_needs_its_tokens_in_the_page():
+    with pytest.raises(ValueError, match="draft_tokens \\(65\\) must be <= the page size \\(64\\)"):
+        Env(draft_tokens=65)
