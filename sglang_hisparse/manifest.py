@@ -557,6 +557,26 @@ HOOKS: tuple[Entry, ...] = (
         ),
         tests=("tests/test_dsv4.py",),
     ),
+    # --- speculative decoding (MTP/EAGLE v2): still refused by the argument
+    # rules; these seams are wired one by one (adapter/speculative.py).
+    Entry(
+        target="sglang.srt.speculative.eagle_info_v2.EagleDraftInputV2Mixin.prepare_for_decode",
+        kind=Kind.AROUND,
+        sha256=None,
+        why=(
+            "The spec reserve (the next draft and verify positions) goes through our "
+            "allocator's alloc_extend, which would give every position a device row; the "
+            "verify step maps them to hot-buffer slots, so the reserve takes logical "
+            "slots only."
+        ),
+        native_in=None,
+        impl="sglang_hisparse.adapter.speculative:eagle_prepare_for_decode",
+        upstream="0.5.23 srt/mem_cache/allocation.py:801-823 (logical-only spec reserve)",
+        scope=Scope.DATA_PLANE,
+        removal="keep while the data plane is ours",
+        process=Process.SCHEDULER,
+        tests=("tests/test_verify_step.py",),
+    ),
     # --- the native comparison mode (SGLANG_HISPARSE_NATIVE=1) only.
     Entry(
         target="sglang.srt.managers.hisparse_coordinator.HiSparseCoordinator.swap_in_selected_pages",

@@ -123,6 +123,9 @@ def speculative_server_args():
 
     args = copy.copy(_default_server_args())
     args.speculative_algorithm = "EAGLE"
+    # DeepSeek-V3.2's defaults: 3 steps, top-k 1, 4 draft tokens.
+    args.speculative_num_steps, args.speculative_eagle_topk = 3, 1
+    args.speculative_num_draft_tokens = 4
     return installed_server_args(args)
 
 

@@ -17,7 +17,7 @@ import random
 import pytest
 import torch
 
-from dataplane_fixtures import get_tag, put_tag, speculative_server_args, t64
+from dataplane_fixtures import decode_batch, get_tag, put_tag, speculative_server_args, t64
 from test_coordinator import TOPK, Env
 
 N = 4  # draft tokens: 3 steps, top-k 1
@@ -118,3 +118,36 @@ def test_finish_or_abort_mid_step_returns_everything(when):
 def test_a_verify_needs_its_tokens_in_the_page():
     with pytest.raises(ValueError, match="draft_tokens \\(65\\) must be <= the page size \\(64\\)"):
         Env(draft_tokens=65)
+
+
+@pytest.mark.parametrize("hooked", [True, False])
+def test_the_spec_reserve_takes_logical_slots_only(hooked):
+    """0.5.13's own EagleDraftInputV2Mixin.prepare_for_decode reserves the
+    next 2 x 4 positions per request (here past each prompt's last page);
+    through our hook they get logical slots and no device row (without it,
+    rows are taken)."""
+    from sglang.srt.speculative.eagle_info import EagleDraftInput
+    from sglang.srt.speculative.eagle_info_v2 import EagleDraftInputV2Mixin
+
+    from sglang_hisparse.adapter.speculative import eagle_prepare_for_decode
+
+    env = Env(phys=2048, draft_tokens=N)
+    reqs = [env.staged("a", 320), env.staged("b", 60)]
+    env.coord.collect_ready_reqs()
+    physical, logical = env.alloc.physical_available_size(), env.alloc.logical_available_size()
+    batch = decode_batch(env.r2t, env.alloc, env.coord, reqs)
+    original = EagleDraftInputV2Mixin.prepare_for_decode
+    with speculative_server_args():
+        if hooked:
+            eagle_prepare_for_decode(original, EagleDraftInput(), batch)
+        else:
+            original(EagleDraftInput(), batch)
+    assert [r.kv_allocated_len for r in reqs] == [320 + 2 * N, 60 + 2 * N]
+    assert env.alloc.logical_available_size() < logical
+    new = torch.cat([env.r2t.req_to_token[r.req_pool_idx, n:n + 2 * N].to(torch.int64)
+                     for r, n in zip(reqs, (320, 60))])
+    mapped = int((env.alloc.translate_to_physical(new) != 0).sum())
+    if hooked:
+        assert env.alloc.physical_available_size() == physical and mapped == 0
+    else:
+        assert env.alloc.physical_available_size() < physical and mapped == new.numel()

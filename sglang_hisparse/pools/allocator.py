@@ -57,6 +57,7 @@ serve, so page size 1 is refused at construction (DSA models run with 64).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 
@@ -98,6 +99,8 @@ class HiSparseDualAllocator(HostBackedAdmission):
         self.host_to_device_ratio = host_to_device_ratio
         self._physical_size = int(size)
         self._logical_size = int(size) * int(host_to_device_ratio)
+        # Set by logical_only(): alloc_extend then takes logical slots only.
+        self._logical_only = False
 
         self.logical_attn_allocator = _ReservingPagedAllocator(
             self._logical_size, page_size, dtype, device, kvcache, need_sort
@@ -176,9 +179,24 @@ class HiSparseDualAllocator(HostBackedAdmission):
         return self.translate_to_physical(last_locs)
 
     # ------------------------------------------------------------- allocation
+    @contextlib.contextmanager
+    def logical_only(self):
+        """Within it, ``alloc_extend`` takes logical slots only: the
+        speculative reserve, whose draft positions the verify step maps to
+        hot-buffer rows itself (engine/verify.py); rows taken here would sit
+        mapped to nothing the step reads, until the request's release."""
+        self._logical_only = True
+        try:
+            yield
+        finally:
+            self._logical_only = False
+
     def alloc_extend(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu,
                      last_loc, extend_num_tokens: int):
         """Prefill: logical and physical slots for every new token, mapped."""
+        if self._logical_only:
+            return self.alloc_logical_only(prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu,
+                                           last_loc, extend_num_tokens)
         ps = self.page_size
         new_pages = int(
             ((seq_lens_cpu + ps - 1) // ps - (prefix_lens_cpu + ps - 1) // ps).sum()
