@@ -19,12 +19,13 @@ HOT, TOPK = 128, 16
 
 
 class Env:
-    def __init__(self, phys=1024, ratio=2, host_pool=None, residency=False, **coordinator):
+    def __init__(self, phys=1024, ratio=2, host_pool=None, residency=False, tp_group=None,
+                 **coordinator):
         # Most tests follow the staged path; residency has its own tests.
         self.pool = dsa_pool(phys)
         self.r2t = req_pool(8, 2048)
         self.alloc = HiSparseDualAllocator(phys, PS, torch.bfloat16, "cpu", self.pool, False, ratio)
-        self.coord = HiSparseCoordinator(self.r2t, self.alloc, TOPK, HOT, "cpu", None, ratio,
+        self.coord = HiSparseCoordinator(self.r2t, self.alloc, TOPK, HOT, "cpu", tp_group, ratio,
                                          host_pool=host_pool, residency=residency, **coordinator)
         self.host = self.coord.mem_pool_host
         self.start = self.counts()

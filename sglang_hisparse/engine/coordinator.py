@@ -451,7 +451,14 @@ class Coordinator:
             if not item.event.query():
                 break
             done += 1
-        if self.tp_world_size > 1:
+        if self.tp_world_size > 1 and self.ack_staging_queue:
+            # TP ranks hold the same requests in the same states (every
+            # other input of these decisions - the queue, the pools, the
+            # scheduler's demand - is rank-identical); only when each rank's
+            # copies finish differs. Join what every rank has copied. With
+            # nothing in copy (only parked requests) there is nothing to
+            # agree on: no collective, so a step with parked requests does
+            # not block on the slowest rank.
             t = torch.tensor(done, dtype=torch.int32)
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.tp_group)
             done = int(t.item())
