@@ -322,7 +322,7 @@ def check_args(case: SwapInCase, counters: torch.Tensor, first: torch.Tensor, *,
         seq_lens=case.seq_lens, num_real_reqs=case.num_real_reqs, slot_locs=case.slot_locs,
         host_locs=case.host_locs, host_kv=case.host_kv, device_kv=case.device_kv,
         hot_buffer_size=case.lru.size(1), layer_id=layer_id, counters=counters, first=first,
-        layout=case.layout, **extra,
+        layout=case.layout, draft_tokens=case.draft_tokens, **extra,
     )
 
 

@@ -237,3 +237,62 @@ def test_argument_rules():
                                              req_to_token=torch.zeros((7, 9), dtype=torch.int32)))
     with pytest.raises(ValueError, match="layout must be one of"):
         exactness.check_swap_in(**{**check_args(case, counters, first), "layout": "paged"})
+
+
+# --------------------------------------------------------------------------
+# speculative verify rows (draft_tokens per request, the union swap-in)
+
+
+def _verify_case(seed=0, **kw):
+    from kernel_cases import make_verify_case
+
+    # short, crossing the buffer's end, at it and long (B = 64 >= 4 x 16)
+    return make_verify_case(committed=[20, 62, 64, 500], draft_tokens=4, top_k=16, hot=64,
+                            seed=seed, miss_rate=0.5, num_real=kw.pop("num_real", 4), **kw)
+
+
+def _verify_mapping(case):
+    """req_to_token / token_to_row under which every verified position maps
+    to its verify slot's row, as the verify step leaves them."""
+    n, hot = case.draft_tokens, case.lru.size(1)
+    max_reqs, ctx = case.lru.size(0), case.host_locs.size(1)
+    req_to_token = torch.arange(max_reqs * ctx, dtype=torch.int32).reshape(max_reqs, ctx)
+    token_to_row = torch.full((max_reqs * ctx,), -1, dtype=torch.int64)
+    for g in range(case.req_pool_indices.numel()):
+        r, s = int(case.req_pool_indices[g]), int(case.seq_lens[g * n]) - 1
+        for j in range(n):
+            slot = s + j if s < hot else hot + j
+            token_to_row[r * ctx + s + j] = int(case.slot_locs[r, slot])
+    return dict(req_to_token=req_to_token, token_to_row=token_to_row)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_verify_step_is_exact(seed):
+    case = _verify_case(seed)
+    ref.swap_in(*case.args(), draft_tokens=4)
+    counters, first = _check(case, **_verify_mapping(case))
+    assert counters == [4 * 4 * 16, 0] and first is None
+    # padding requests: none of their 4 rows is checked
+    case = _verify_case(seed, num_real=3)
+    ref.swap_in(*case.args(), draft_tokens=4)
+    case.out[12:] = 777
+    assert _check(case, **_verify_mapping(case)) == ([3 * 4 * 16, 0], None)
+
+
+@pytest.mark.parametrize("fault", ["other_slot", "unmapped"])
+def test_a_verified_position_read_or_mapped_wrong_is_caught(fault):
+    case = _verify_case(1)
+    ref.swap_in(*case.args(), draft_tokens=4)
+    mapping = _verify_mapping(case)
+    # request 3 (long, S = 500): its row 2 selects 502, read from slot B + 2
+    b = 3 * 4 + 2
+    (j,) = (case.top_k_tokens[b] == 502).nonzero()[0].tolist()
+    r, right = int(case.req_pool_indices[3]), int(case.out[b, j])
+    assert right == int(case.slot_locs[r, 64 + 2])
+    if fault == "other_slot":
+        case.out[b, j] = int(case.slot_locs[r, 64 + 1])  # the row of 501
+    else:
+        mapping["token_to_row"][r * case.host_locs.size(1) + 502] = 123456
+    counters, first = _check(case, **mapping)
+    assert counters[1] >= 1
+    assert (first["kind_name"], first["position"], first["batch_row"]) == ("newest", 502, b)

@@ -146,3 +146,27 @@ def test_cuda_wrapper_names_bad_arguments():
         with pytest.raises(ValueError, match=message):
             exactness.check_swap_in(**{**args, **change})
     assert counters.cpu().tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("fault", ["none", "other_slot", "device_byte"])
+def test_cuda_check_of_verify_rows_equals_the_reference(fault):
+    """A speculative verify step's rows (4 per request, the union swap-in)."""
+    from kernel_cases import make_verify_case
+
+    seed = _seed()
+    case = make_verify_case(committed=[20, 126, 128, 3000, 900], draft_tokens=4, top_k=32,
+                            hot=128, page=64, seed=seed, miss_rate=0.5, item_bytes=656,
+                            num_real=4)
+    ref.swap_in(*case.args(), draft_tokens=4)
+    if fault == "other_slot":  # a verified position read from its neighbour's slot
+        r = int(case.req_pool_indices[3])
+        b = 3 * 4 + 3
+        (j,) = (case.top_k_tokens[b] == 3003).nonzero()[0].tolist()
+        case.out[b, j] = int(case.slot_locs[r, 128 + 2])
+    elif fault == "device_byte":
+        row = case.top_k_tokens[12]
+        b, j = 3 * 4, int(((row >= 0) & (row < 3000)).nonzero()[0, 0])
+        case.device_kv[int(case.out[b, j]), 3] ^= 0x20
+    want, got = _both(case, {})
+    assert got == want, f"seed={seed} fault={fault}"
+    assert want[0][0] == 4 * 4 * 32 and (want[0][1] == 0) == (fault == "none")

@@ -79,7 +79,8 @@ def verify_step(env, reqs, committed, gen, accept=None):
 
 @pytest.mark.parametrize("seed", range(3))
 def test_every_accept_length_reads_and_writes_back_exactly(seed):
-    env = Env(phys=2048, draft_tokens=N)
+    # The in-server exactness check runs after every swap-in too.
+    env = Env(phys=2048, draft_tokens=N, exactness_check=True)
     gen = random.Random(seed)
     # long, short, and one whose verify rows cross the buffer's end (B = 128)
     reqs = [env.staged("long", 300), env.staged("short", 40), env.staged("edge", 126)]
@@ -89,6 +90,9 @@ def test_every_accept_length_reads_and_writes_back_exactly(seed):
         accept = [(step + b) % N + 1 for b in range(3)]  # every length, every request
         committed = verify_step(env, reqs, committed, gen, accept if step < 8 else None)
     assert committed[1] > 128  # the short one grew past the buffer
+    exact = env.coord.exactness.read()
+    assert exact["exact_checked"] == 40 * 3 * N * TOPK * env.pool.layer_num
+    assert exact["exact_mismatches"] == 0, env.coord.exactness.first_mismatch
     with speculative_server_args():
         for r in reqs:
             env.finish(r)

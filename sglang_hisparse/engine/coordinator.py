@@ -216,8 +216,6 @@ class Coordinator:
 
         if exactness_check is None:
             exactness_check = os.environ.get(CHECK_ENV) == "1"
-        if exactness_check and self.verify is not None:
-            raise ValueError(f"{CHECK_ENV}=1 does not check speculative verify rows yet")
         self.exactness = ExactnessCheck(self) if exactness_check else None
 
         if hasattr(alloc, "set_reservation_provider"):

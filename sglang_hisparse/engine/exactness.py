@@ -72,6 +72,7 @@ class ExactnessCheck:
             host_locs=coord.req_to_host_pool, host_kv=host_kv, device_kv=device_kv,
             hot_buffer_size=coord.device_buffer_size, layer_id=layer_id,
             counters=self.counters, first=self.first, layout=layout,
+            draft_tokens=top_k_tokens.size(0) // max(req_pool_indices.size(0), 1) or 1,
             **extra)
 
     def read(self) -> dict:

@@ -80,6 +80,8 @@ class VerifyStep:
         the logical slots the forward writes (0.5.13's ``out_cache_loc``,
         request-major)."""
         c, n = self.coord, self.draft_tokens
+        if c.exactness is not None and not c.exactness.armed:
+            c.exactness.arm()  # graph capture is over (decode arms it in map_last_loc_to_buffer)
         c.streams.wait_for_pending_backup()  # the last commit still reads these slots
         picks = self._hot_rows(req_pool_indices)
         B = c.device_buffer_size

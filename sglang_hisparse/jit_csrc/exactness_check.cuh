@@ -13,6 +13,10 @@
 //   - otherwise the bytes of device row o equal those of host row
 //     host_locs[r, t]                                               (kind 3);
 //     o or the host row missing or out of range                     (kind 5)
+// A speculative verify step (draft_tokens = n > 1) has n rows per request: row
+// b is request b / n's, valid below its own length, and the rule of t == L - 1
+// covers every position t >= S = seq_lens[first row of the request] - 1 (the
+// tokens this step verifies), at slot t while S < HOT, else HOT + t - S.
 // sglang_hisparse/kernels/exactness.py holds the torch reference of the same
 // rules; the tests keep the two equal.
 //
@@ -83,6 +87,7 @@ struct ExactnessParams {
   int64_t t2r_size;
   int64_t hot;
   int64_t layer_id;
+  int64_t draft_tokens;  // rows per request (1: decode)
 };
 
 SGL_DEVICE int64_t load_index_of(const void* p, bool is64, int64_t i) {
@@ -117,20 +122,27 @@ __global__ void __launch_bounds__(kCheckThreads) exactness_check_kernel(const __
   const int lane = threadIdx.x % kWarp;
   const int warp = threadIdx.x / kWarp;
   const int64_t row = blockIdx.y;
-  if (row >= p.sel.num_real_reqs[0]) return;  // CUDA-graph padding
+  const int64_t group = row / p.draft_tokens;  // the request
+  if (group >= p.sel.num_real_reqs[0]) return;  // CUDA-graph padding
 
-  const int64_t req = load_index_of(p.sel.req_pool_indices, p.sel.req64, row);
+  const int64_t req = load_index_of(p.sel.req_pool_indices, p.sel.req64, group);
   const int64_t seq_len = load_index_of(p.sel.seq_lens, p.sel.seq64, row);
   const int64_t limit = seq_len < p.max_ctx ? seq_len : p.max_ctx;
   const bool resident = p.resident != nullptr && p.resident[req] != 0;
-  const int64_t newest = seq_len - 1;
-  const int64_t newest_slot = newest < p.hot ? newest : p.hot;
-  const int64_t newest_row =
-      newest_slot >= 0 && newest_slot < p.slot_width ? p.slot_locs[req * p.slot_locs_stride + newest_slot] : -1;
-  bool newest_mapped = true;  // the attention write path mapped the same row
-  if constexpr (kLayout == kLayoutRows) {
-    if (p.req_to_token != nullptr) newest_mapped = mapped_row(p, req, newest) == newest_row;
-  }
+  // The newest position (decode) or the first this step verifies: S.
+  const int64_t newest =
+      load_index_of(p.sel.seq_lens, p.sel.seq64, group * p.draft_tokens) - 1;
+  // The row a position >= S must read: its slot's, which the attention write
+  // path also mapped.
+  auto newest_row_of = [&](int64_t t, bool& mapped) -> int64_t {
+    const int64_t slot = newest < p.hot ? t : p.hot + t - newest;
+    const int64_t r = slot >= 0 && slot < p.slot_width ? p.slot_locs[req * p.slot_locs_stride + slot] : -1;
+    mapped = true;
+    if constexpr (kLayout == kLayoutRows) {
+      if (p.req_to_token != nullptr) mapped = mapped_row(p, req, t) == r;
+    }
+    return r;
+  };
   const int32_t* top_k = p.sel.top_k_tokens + row * p.sel.top_k_stride;
   const int32_t* out = p.sel.out + row * p.sel.out_stride;
   const int64_t* host_locs = p.host_locs + req * p.host_locs_stride;
@@ -148,9 +160,10 @@ __global__ void __launch_bounds__(kCheckThreads) exactness_check_kernel(const __
     } else if (resident) {
       expected = mapped_row(p, req, t);
       if (expected < 0 || o != expected) kind = CheckKind::kResident;
-    } else if (t == newest) {
-      expected = newest_row;
-      if (newest_row < 0 || o != newest_row || !newest_mapped) kind = CheckKind::kNewest;
+    } else if (t >= newest) {
+      bool mapped;
+      expected = newest_row_of(t, mapped);
+      if (expected < 0 || o != expected || !mapped) kind = CheckKind::kNewest;
     } else {
       expected = host_locs[t];
       if (o < 0 || o >= p.kv.device_rows || expected < 0 || expected >= p.kv.host_rows) {
@@ -193,7 +206,8 @@ struct ExactnessCheck {
       tvm::ffi::TensorView first,
       int64_t hot,
       int64_t layer_id,
-      int64_t blocks_per_row) {
+      int64_t blocks_per_row,
+      int64_t draft_tokens) {
     using namespace host;
     auto BS = SymbolicSize{"batch"};
     auto K = SymbolicSize{"top_k"};
@@ -206,7 +220,9 @@ struct ExactnessCheck {
     cuda.set_options<kDLCUDA>();
 
     ExactnessParams params{};
-    params.sel = Selection::verify(top_k_tokens, out, req_pool_indices, seq_lens, num_real_reqs, BS, K, cuda);
+    RuntimeCheck(draft_tokens >= 1, "draft_tokens must be >= 1, got ", draft_tokens);
+    params.sel =
+        Selection::verify(top_k_tokens, out, req_pool_indices, seq_lens, num_real_reqs, BS, K, cuda, draft_tokens);
     params.kv = KvPools::verify(host_kv, device_kv, cuda);
     TensorMatcher({R, W}).with_strides({LS0, 1}).with_dtype<int32_t>().with_device(cuda).verify(slot_locs);
     TensorMatcher({-1, CTX}).with_strides({HS0, 1}).with_dtype<int64_t>().with_device(cuda).verify(host_locs);
@@ -214,7 +230,7 @@ struct ExactnessCheck {
     TensorMatcher({FirstMismatch::kSlots}).with_dtype<int64_t>().with_device(cuda).verify(first);
     RuntimeCheck(hot >= 1, "hot_buffer_size must be >= 1, got ", hot);
     RuntimeCheck(blocks_per_row >= 1 && blocks_per_row <= 65535, "blocks_per_row out of range: ", blocks_per_row);
-    const int64_t bs = BS.unwrap();
+    const int64_t bs = BS.unwrap() * draft_tokens;  // batch rows
     RuntimeCheck(bs <= 65535, "the check supports at most 65535 batch rows, got ", bs);
 
     if (req_to_token.size(0) > 0) {
@@ -250,6 +266,7 @@ struct ExactnessCheck {
     params.max_ctx = CTX.unwrap();
     params.hot = hot;
     params.layer_id = layer_id;
+    params.draft_tokens = draft_tokens;
 
     LaunchKernel(
         dim3(static_cast<uint32_t>(blocks_per_row), static_cast<uint32_t>(bs)), kCheckThreads, cuda.unwrap())(

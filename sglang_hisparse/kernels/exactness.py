@@ -22,6 +22,14 @@ authoritative KV of position ``t``:
    the host row negative or past its pool is kind 5 (missing row);
 4. invalid entries must be -1 (kind 4).
 
+A speculative verify step (``draft_tokens = n > 1``, the swap-in's union
+layout): row ``b`` belongs to request ``g = b // n`` (``r =
+req_pool_indices[g]``), its entries are valid below its own ``L =
+seq_lens[b]``, and rule 2 covers every position ``t >= S`` this step
+verifies (``S = seq_lens[g * n] - 1``): ``out[b, j]`` must be
+``slot_locs[r, t]`` while ``S < B``, else ``slot_locs[r, B + t - S]``, and
+the row the mapping gives ``t``. ``n = 1`` is the decode rules above.
+
 Padding rows (``b >= num_real_reqs[0]``) are skipped. Results accumulate in
 persistent buffers from :func:`new_check_state`: ``counters`` (int64 [2]) +=
 (entries checked, mismatches), every entry of a real row counting as
@@ -116,13 +124,15 @@ def check_swap_in(
     req_to_token: Optional[torch.Tensor] = None,
     token_to_row: Optional[torch.Tensor] = None,
     blocks_per_row: Optional[int] = None,
+    draft_tokens: int = 1,
 ) -> None:
     """Check one layer's swap-in result (the rules: module docstring),
     accumulating into ``counters`` and ``first`` (:func:`new_check_state`):
     the CUDA kernel when ``top_k_tokens`` is on a GPU, else the torch
     reference (same counts). The arguments are the swap-in's, after it
     ran, plus ``hot_buffer_size`` (B, the LRU width) and ``layer_id`` (for
-    the record); ``blocks_per_row`` tunes the CUDA grid."""
+    the record); ``blocks_per_row`` tunes the CUDA grid; ``draft_tokens``
+    rows per request (a verify step)."""
     a = SimpleNamespace(**locals())
     (_check_cuda if top_k_tokens.is_cuda else _check_reference)(a)
 
@@ -135,8 +145,12 @@ def _check_mapping(a) -> bool:
 
 
 def _check_cuda(a) -> None:
+    ndt = int(a.draft_tokens)
+    if ndt < 1:
+        fail("draft_tokens", f"must be >= 1, got {ndt}")
     device, bs, top_k = check_selection(a.top_k_tokens, a.out, a.req_pool_indices, a.seq_lens,
-                                        a.num_real_reqs)
+                                        a.num_real_reqs, ndt)
+    bs *= ndt  # batch rows
     check_tensor("slot_locs", a.slot_locs, dtypes=(torch.int32,), ndim=2, device=device)
     hot, width = int(a.hot_buffer_size), a.slot_locs.size(1)
     if not 1 <= hot < width:
@@ -173,7 +187,7 @@ def _check_cuda(a) -> None:
         a.resident if a.resident is not None else empty,
         a.req_to_token if mapping else empty,
         a.token_to_row if mapping else empty,
-        a.counters, a.first, hot, int(a.layer_id), int(blocks),
+        a.counters, a.first, hot, int(a.layer_id), int(blocks), ndt,
     )
 
 
@@ -201,13 +215,15 @@ def _check_reference(a) -> None:
     per_row = C4_TOKENS_PER_PAGE if lid == LAYOUT_C4 else 1
     host_rows, device_rows = a.host_kv.size(0) * per_row, a.device_kv.size(0) * per_row
     max_ctx = a.host_locs.size(1)
-    real = real_rows(a.num_real_reqs, bs)
+    ndt = int(a.draft_tokens)
+    real = real_rows(a.num_real_reqs, bs // ndt) * ndt
     reqs, lens = a.req_pool_indices.tolist(), a.seq_lens.tolist()
     minus = torch.full((top_k,), -1, dtype=torch.int64, device=dev)
     checked = bad = 0
     record = None
     for b in range(real):
-        r, seq_len = int(reqs[b]), int(lens[b])
+        r, seq_len = int(reqs[b // ndt]), int(lens[b])
+        committed = int(lens[b - b % ndt]) - 1  # S: positions >= S are this step's
         t = a.top_k_tokens[b].to(dev, torch.int64)
         o = a.out[b].to(dev, torch.int64)
         valid = (t >= 0) & (t < min(seq_len, max_ctx))
@@ -219,18 +235,18 @@ def _check_reference(a) -> None:
             expected = torch.where(valid, want, expected)
             kind[valid & ((want < 0) | (o != want))] = KIND_RESIDENT
         else:
-            newest = valid & (t == seq_len - 1)
-            slot = min(seq_len - 1, hot)
-            newest_row = int(a.slot_locs[r, slot]) if 0 <= slot < a.slot_locs.size(1) else -1
-            mapped_ok = True
+            # The newest position (decode) or those this step verifies.
+            newest = valid & (t >= committed)
+            width = a.slot_locs.size(1)
+            slot = t if committed < hot else hot + t - committed
+            inside = (slot >= 0) & (slot < width)
+            newest_row = torch.where(
+                inside, a.slot_locs[r].to(dev, torch.int64)[slot.clamp(0, width - 1)], minus)
+            wrong_row = newest_row < 0
             if lid == LAYOUT_ROWS and mapping:
-                at = torch.tensor([seq_len - 1], dtype=torch.int64, device=dev)
-                mapped_ok = int(_mapped_rows(a.req_to_token, a.token_to_row, r, at)[0]) == newest_row
-            expected[newest] = newest_row
-            if newest_row < 0 or not mapped_ok:
-                kind[newest] = KIND_NEWEST
-            else:
-                kind[newest & (o != newest_row)] = KIND_NEWEST
+                wrong_row |= _mapped_rows(a.req_to_token, a.token_to_row, r, t) != newest_row
+            expected[newest] = newest_row[newest]
+            kind[newest & (wrong_row | (o != newest_row))] = KIND_NEWEST
             rest = valid & ~newest
             host = torch.where(rest, a.host_locs[r].to(dev)[t.clamp(0, max(max_ctx - 1, 0))], minus)
             expected[rest] = host[rest]
