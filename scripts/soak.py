@@ -53,6 +53,17 @@ kernels, staging and write-through on their own streams, the forward on a
 producer stream, pinned host memory) and the same checks read the device
 back.
 
+``--speculative N`` plays MTP/EAGLE with N draft tokens instead of plain
+decode: each step reserves the next positions through 0.5.13's own
+``EagleDraftInputV2Mixin.prepare_for_decode`` inside our hook (logical slots
+only), maps the verify slots (``engine/verify.py``), writes the N verified
+tokens' KV, swaps in N rows per request as one union (every row checked
+against the tags, the verified positions included), commits, and accepts
+1..N tokens at random; a running request is also finished or aborted
+between the mapping and the commit, and retracted. The LRU model check is
+the decode path's (the union's LRU is held to the reference by
+``tests/test_kernel_reference.py``); residency is off under speculation.
+
 ``--verbose`` prints one JSON line of counters before the verdict line.
 """
 
@@ -134,7 +145,7 @@ class Sim:
     def __init__(self, seed: int, page_size: int = 64, phys_pages: int = 30, ratio: int = 3,
                  hot: int = 128, top_k: int = 16, layers: int = 2, max_reqs: int = 12,
                  max_ctx: int = 1400, residency: bool = True, parking: bool = True,
-                 pd: bool = False, device: str = "cpu"):
+                 pd: bool = False, device: str = "cpu", draft_tokens: int = 1):
         from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool
 
         from sglang_hisparse.pools.allocator import HiSparseDualAllocator
@@ -164,7 +175,9 @@ class Sim:
                                    page_size=page_size)
         self.coord = HiSparseCoordinator(self.r2t, self.alloc, top_k, hot, device, None, ratio,
                                          host_pool=host, swap_in_fn=self.ref,
-                                         residency=residency, pd_decode=pd)
+                                         residency=residency, pd_decode=pd,
+                                         draft_tokens=draft_tokens)
+        self.draft_tokens = draft_tokens
         self.pd = pd
         from sglang.srt.server_args import ServerArgs
 
@@ -174,6 +187,11 @@ class Sim:
         self.server_args = ServerArgs(model_path="dummy")
         self.server_args.page_size = page_size
         self.server_args.disaggregation_mode = "decode" if pd else "null"
+        if draft_tokens > 1:  # what release_kv_cache and the EAGLE reserve read
+            self.server_args.speculative_algorithm = "EAGLE"
+            self.server_args.speculative_num_steps = draft_tokens - 1
+            self.server_args.speculative_eagle_topk = 1
+            self.server_args.speculative_num_draft_tokens = draft_tokens
         self.cache = chunk_cache(self.r2t, self.alloc)
         self.prealloc = prealloc_queue(self.r2t, self.alloc, self.coord, self.server_args)
         # The forward runs on its own stream, the coordinator's decode
@@ -197,7 +215,7 @@ class Sim:
                           abort_waiting=0, abort_staging=0, abort_running=0, abort_prefill=0,
                           retract=0, retract_oom=0, swap_checks=0, host_wait_max=0,
                           resident_checks=0, parked=0, transferred=0, resumed=0,
-                          abort_retracted=0)
+                          abort_retracted=0, verify_steps=0, accepted=0, abort_in_verify=0)
         self.was_resident = set()  # requests seen resident (reset their model on demotion)
 
     # ---------------------------------------------------------- bookkeeping
@@ -336,16 +354,111 @@ class Sim:
         self.stats["parked"] += len(set(self.coord.parked_requests()) - parked)
         self.stats["host_wait_max"] = max(self.stats["host_wait_max"], self.coord.requests.count(ReqState.HOST_WAIT))
 
-    def decode(self):
-        batch = [r for r in self.running if r.sim_len + 1 < self.max_ctx]
-        if not batch:
-            return
-        # Memory check like ScheduleBatch.check_decode_mem; retract on shortage.
-        need = lambda b: sum(1 for r in b if r.sim_len % self.ps == 0) * self.ps
+    def fit(self, batch, need):
+        """Retract at random until the pool can serve ``need(batch)`` rows
+        (like ScheduleBatch.check_decode_mem); what is left of the batch."""
         while batch and self.alloc.available_size() < need(batch):
             victim = batch.pop(self.rng.randrange(len(batch)))
             self.retract(victim)
             self.stats["retract_oom"] += 1
+        return batch
+
+    def reserve_speculative(self, batch):
+        """0.5.13's EagleDraftInputV2Mixin.prepare_for_decode inside our hook:
+        the next 2 x n positions of each request, logical slots only."""
+        from sglang.srt.speculative.eagle_info import EagleDraftInput
+        from sglang.srt.speculative.eagle_info_v2 import EagleDraftInputV2Mixin
+
+        from dataplane_fixtures import decode_batch
+        from sglang_hisparse.adapter.speculative import eagle_prepare_for_decode
+
+        step = decode_batch(self.r2t, self.alloc, self.coord, batch, self.device)
+        eagle_prepare_for_decode(EagleDraftInputV2Mixin.prepare_for_decode, EagleDraftInput(), step)
+
+    def reserve_need(self, batch):
+        # get_alloc_reserve_per_decode: 2 x max(steps x top-k, draft tokens) past the committed + 1
+        return sum(self.page_up(r.sim_len + 1 + 2 * self.draft_tokens)
+                   - self.page_up(r.kv_allocated_len) for r in batch)
+
+    def verify(self):
+        """One speculative step (see the module docstring)."""
+        n = self.draft_tokens
+        batch = self.fit([r for r in self.running if r.sim_len + 2 * n + 1 < self.max_ctx],
+                         self.reserve_need)
+        if not batch:
+            return
+        self.reserve_speculative(batch)
+        rpi = [r.req_pool_idx for r in batch]
+        committed = [r.sim_len for r in batch]
+        locs = torch.stack([self.r2t.req_to_token[r.req_pool_idx, s:s + n].to(torch.int64)
+                            for r, s in zip(batch, committed)])
+        self.coord.verify.map_slots(rpi, committed, locs)
+        with self.forward():
+            self.coord.wait_for_pending_backup()
+            self.coord.num_real_reqs.fill_(len(batch))
+            for r, s, loc in zip(batch, committed, locs):
+                self.write_kv(r, range(s, s + n), loc)
+            self.check_verify_swap_in(batch, rpi, committed)
+        self.coord.verify.commit(rpi, committed, locs)
+        self.stats["verify_steps"] += 1
+        for r in list(batch):
+            kept = self.rng.randint(1, n)  # accept_length + 1
+            r.sim_len += kept
+            r.kv_committed_len = r.sim_len
+            self.stats["accepted"] += kept
+            r.sim_decode_left -= kept
+            if r.sim_decode_left <= 0:
+                self.finish(r)
+
+    def check_verify_swap_in(self, batch, rpi, committed):
+        n, bs = self.draft_tokens, len(batch)
+        topk = torch.full((bs * n, self.top_k), -1, dtype=torch.int32)
+        for i, (r, s) in enumerate(zip(batch, committed)):
+            for j in range(n):
+                sel = self.rng.sample(range(s + j + 1), min(self.top_k - 1, s + j + 1))
+                sel = [t for t in sel if t != s + j][: self.top_k - 1] + [s + j]
+                topk[i * n + j, : len(sel)] = torch.tensor(sel, dtype=torch.int32)
+        topk = topk.to(self.device)
+        seq_rows = self.dev([s + j + 1 for s in committed for j in range(n)])
+        for layer in range(self.layers):
+            out = self.coord.swap_in_selected_pages(self.dev(rpi), seq_rows, topk, layer)
+            buf = self.pool.kv_buffer[layer]
+            out_rows, top_rows = out.tolist(), topk.tolist()
+            for row in range(bs * n):
+                r = batch[row // n]
+                sel = [t for t in top_rows[row] if t >= 0]
+                rows = out_rows[row][: len(sel)]
+                if any(x <= 0 for x in rows):
+                    raise Mismatch(f"{r.rid} layer {layer}: unmapped row in verify row {row}")
+                held = buf[self.dev(rows), 0, :4].tolist()
+                for t, got in zip(sel, held):
+                    if tuple(int(x) for x in got) != _kv_tag(r.sim_uid, t, layer):
+                        raise Mismatch(f"{r.rid} layer {layer} token {t}: verify read {got}")
+            self.stats["swap_checks"] += 1
+
+    def abort_in_verify(self):
+        """Finish or abort a running request between map_slots and commit."""
+        if not self.running:
+            return
+        req = self.running[self.rng.randrange(len(self.running))]
+        n, s = self.draft_tokens, req.sim_len
+        if s + 2 * n + 1 >= self.max_ctx or self.alloc.available_size() < self.reserve_need([req]):
+            return
+        self.reserve_speculative([req])
+        locs = self.r2t.req_to_token[req.req_pool_idx, s:s + n].to(torch.int64).view(1, n)
+        self.coord.verify.map_slots([req.req_pool_idx], [s], locs)
+        self.running.remove(req)
+        self.coord.request_finished(req)
+        self.release_slots(req)
+        self.stats["abort_in_verify"] += 1
+
+    def decode(self):
+        if self.draft_tokens > 1:
+            return self.verify()
+        batch = [r for r in self.running if r.sim_len + 1 < self.max_ctx]
+        if not batch:
+            return
+        batch = self.fit(batch, lambda b: sum(1 for r in b if r.sim_len % self.ps == 0) * self.ps)
         if not batch:
             return
         # The scheduler's stream: 0.5.13's own prepare_for_decode (new slots,
@@ -593,6 +706,8 @@ class Sim:
         self.decode()
         if rng.random() < 0.04:
             self.abort_random()
+        if self.draft_tokens > 1 and rng.random() < 0.03:
+            self.abort_in_verify()
         if rng.random() < 0.02 and self.running:
             self.retract(self.running[rng.randrange(len(self.running))])
 
@@ -643,10 +758,17 @@ def main(argv=None) -> int:
                     help="cpu (torch reference swap-in) or cuda (the JIT kernel, real streams)")
     ap.add_argument("--top-k", type=int, default=16)
     ap.add_argument("--hot", type=int, default=128, help="hot buffer size B")
+    ap.add_argument("--speculative", type=int, default=1, metavar="N",
+                    help="MTP/EAGLE verify steps of N draft tokens instead of decode (N >= 2)")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args(argv)
+    if args.speculative > 1 and args.mode == "pd":
+        ap.error("--speculative: PD decode with MTP is not supported yet")
+    if args.speculative > 1:
+        args.residency = "off"  # the coordinator keeps none resident under speculation
     sim = Sim(args.seed, residency=args.residency == "on", parking=args.parking == "on",
-              pd=args.mode == "pd", device=args.device, top_k=args.top_k, hot=args.hot)
+              pd=args.mode == "pd", device=args.device, top_k=args.top_k, hot=args.hot,
+              draft_tokens=args.speculative)
     error = None
     try:
         for _ in range(args.steps):
@@ -660,8 +782,9 @@ def main(argv=None) -> int:
                           "coordinator": sim.coord.get_hisparse_stats(),
                           "producer_stream": sim.coord.decode_producer_stream is not None}))
     verdict = "OK" if ok and error is None else "FAIL"
+    spec = f" speculative={args.speculative}" if args.speculative > 1 else ""
     print(f"soak seed={args.seed} steps={args.steps} mode={args.mode} device={args.device} "
-          f"residency={args.residency} parking={args.parking} {verdict}: "
+          f"residency={args.residency} parking={args.parking}{spec} {verdict}: "
           + ", ".join(parts)
           + (f"; {error}" if error else ""))
     return 0 if verdict == "OK" else 1

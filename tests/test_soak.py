@@ -61,6 +61,25 @@ def test_soak_pd_decode_retracts_to_host_and_resumes(capsys):
     assert not _never_zero(counts, ("transferred", "retract", "resumed", "abort_retracted")), counts
 
 
+@pytest.mark.parametrize("draft_tokens,seed", [(4, 1)])
+def test_soak_speculative_verify_steps(capsys, draft_tokens, seed):
+    # MTP/EAGLE: reserve through 0.5.13's prepare_for_decode in our hook,
+    # verify slots, union swap-in of every row checked against the tags,
+    # write-through, random acceptance; finish/abort between the mapping and
+    # the commit, retraction, parking - and every pool back at its start.
+    soak = _load()
+    rc = soak.main(["--steps", "300", "--seed", str(seed), "--speculative", str(draft_tokens),
+                    "--verbose"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert rc == 0, "\n".join(out)
+    assert out[-1].startswith(f"soak seed={seed} steps=300 mode=colocated device=cpu "
+                              f"residency=off parking=on speculative={draft_tokens} OK")
+    _, counts = _counters(out[-2])
+    assert not _never_zero(counts, ["verify_steps", "abort_in_verify", "retract", "parked",
+                                    "misses"]), counts
+    assert counts["accepted"] > counts["verify_steps"]  # more than one token a step
+
+
 def test_a_zero_counter_fails_the_check_whichever_key_it_is():
     # The counters come back as a dict, so a zero in any position counts,
     # the last key (abort_retracted) included.
