@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Rebase the manifest onto another SGLang release (the mechanical part).
 
-    python scripts/rebase.py DIR [--write] [--accept TARGET ...] [--out ROOT]
+    python scripts/rebase.py DIR [--write] [--accept TARGET ...] [--moved TARGET=NEW ...]
+                             [--patch TARGET=DIFF ...] [--out ROOT]
     python scripts/rebase.py --hash TARGET... [--sglang-root DIR]
 
 DIR holds the new release's ``sglang`` package and its ``*.dist-info``
@@ -11,13 +12,21 @@ download`` wheel unzipped). For every manifest entry this prints one of:
   drop      the behaviour is native in the new release (native_in <= new)
   same      the target's source is unchanged: the pinned hash carries over
   reapply   a source patch whose hunks still match once re-anchored
-  review    a hook target changed (or vanished): a human rewrites the hook/patch
+  review    a hook target changed (or vanished): a human re-reads the hook against
+            the new source and fixes it, then ``--accept TARGET`` takes the new
+            hash; a source patch that does not re-anchor is ported by hand to
+            the new source and named with ``--patch TARGET=DIFF``
   changed   a DEPENDS target changed: a human re-reads our code that mirrors or
             is called by it (printed after "relied on by"); once they have,
             ``--accept TARGET`` takes its new hash
-  accepted  such a target, taken with --accept
+  accepted  such a target (or a changed hook target), taken with --accept
+  ported    a source patch a person rewrote against the new source (--patch);
+            it must apply there, and is written as that release's patch
   new       refreshing an existing pin (DIR is that release): an entry added
-            since the pin was written; its hash is taken from DIR
+            since the pin was written; its hash is taken from DIR. Also an
+            entry whose target first exists in DIR (``since``): the old
+            release has none to compare with
+  n/a       an entry whose target the release does not have yet (``since``)
   gone      a DEPENDS target vanished: the same, and the entry is retargeted
   moved     a target a person placed elsewhere in the new release with
             ``--moved TARGET=NEW`` (review and gone lines list candidates:
@@ -122,9 +131,16 @@ def moved_candidates(target: str, root: Path, top: int = 3, old_target: str | No
     of the same name (or, failing that, in the same module or class) in the
     new release, most alike first by their source text; for a person to
     confirm, never applied."""
-    try:
-        old = read_pinned_source(old_target or target)  # the installed (pinned) release
-    except TargetNotFound:
+    # Its source in the installed release (a pinned one): at the old pin's
+    # place, or where the installed release's own pin keeps it.
+    places = dict.fromkeys((old_target or target, pins.release_target(target, sglang_version())))
+    for place in places:
+        try:
+            old = read_pinned_source(place)
+            break
+        except TargetNotFound:
+            continue
+    else:
         return []
     if str(root) not in _DEFINITIONS:
         _DEFINITIONS[str(root)] = _definitions(root)
@@ -174,7 +190,7 @@ def _relied_on_by(entry) -> str:
 
 
 def rebase(root: Path, write: bool, accept: tuple[str, ...] = (), out: Path | None = None,
-           moved: dict[str, str] | None = None) -> int:
+           moved: dict[str, str] | None = None, ported: dict[str, Path] | None = None) -> int:
     new = sglang_version(root)
     # A pin that exists is refreshed against itself (keeping where it came
     # from); a new release is rebased from the newest pin before it (the
@@ -189,10 +205,14 @@ def rebase(root: Path, write: bool, accept: tuple[str, ...] = (), out: Path | No
     diffs: dict[str, str] = {}  # target -> the new release's diff text
     locations: dict[str, str] = {}  # target -> where it lives in NEW, when elsewhere
     moved = dict(moved or {})
+    ported = dict(ported or {})
     needs_human = 0
     for e in ENTRIES:
         if e.native_in and pins.version_key(e.native_in) <= pins.version_key(new):
             print(f"  drop     {e.target} (native in {e.native_in})")
+            continue
+        if not e.applies_to(new):
+            print(f"  n/a      {e.target} (from sglang {e.since})")
             continue
         where_old = pins.release_target(e.target, old)
         where = moved.pop(e.target, where_old)
@@ -211,7 +231,9 @@ def rebase(root: Path, write: bool, accept: tuple[str, ...] = (), out: Path | No
             needs_human += 1
             continue
         if old not in e.sha256:
-            if not refresh or e.kind is Kind.SOURCE_PATCH:
+            # Written against NEW when the old release has no such target.
+            first_here = not e.applies_to(old)
+            if (not refresh and not first_here) or e.kind is Kind.SOURCE_PATCH:
                 # Added since the old pin was written: refresh that pin first
                 # (the entry was written against one of the pinned sources).
                 print(f"  review   {e.target}: no hash in the {old} pin; refresh it first "
@@ -239,8 +261,26 @@ def rebase(root: Path, write: bool, accept: tuple[str, ...] = (), out: Path | No
             needs_human += 1
             continue
         if e.kind is not Kind.SOURCE_PATCH:
-            print(f"  review   {e.target}: source changed ({src.path.name}:{src.first_line})")
+            if e.target in accept:
+                # A person re-read the hook (impl) against the new target.
+                print(f"  accepted {e.target} ({src.path.name}:{src.first_line})")
+                hashes[e.target] = src.sha256
+                continue
+            print(f"  review   {e.target}: source changed ({src.path.name}:{src.first_line}): "
+                  "re-read our hook against it, then --accept it")
             needs_human += 1
+            continue
+        if e.target in ported:
+            diff_text = Path(ported.pop(e.target)).read_text()
+            try:
+                apply_unified_diff(e.target, src.text, diff_text)
+            except PatchError as exc:
+                print(f"  review   {e.target}: the ported patch does not apply: {exc.reason}")
+                needs_human += 1
+                continue
+            print(f"  ported   {e.target} ({src.path.name}:{src.first_line})")
+            diffs[e.target] = diff_text
+            hashes[e.target] = src.sha256
             continue
         installed = read_pinned_source(where_old)  # re-anchoring needs the old release's text
         if installed.sha256 != e.sha256.get(old):
@@ -258,7 +298,8 @@ def rebase(root: Path, write: bool, accept: tuple[str, ...] = (), out: Path | No
             continue
         patched_new = _reanchor(old_src, patched_old, src.text)
         if patched_new is None:
-            print(f"  review   {e.target}: edit does not re-anchor on the new source")
+            print(f"  review   {e.target}: edit does not re-anchor on the new source: "
+                  "port it by hand, then --patch it")
             needs_human += 1
             continue
         diffs[e.target] = "".join(
@@ -272,6 +313,9 @@ def rebase(root: Path, write: bool, accept: tuple[str, ...] = (), out: Path | No
         hashes[e.target] = src.sha256
     for target in moved:
         print(f"  --moved {target}: not a manifest target")
+        needs_human += 1
+    for target in ported:
+        print(f"  --patch {target}: not a source patch that needs porting")
         needs_human += 1
     print(f"\n{needs_human} entr{'y needs' if needs_human == 1 else 'ies need'} a human")
     if not write:
@@ -301,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--moved", nargs="+", default=(), metavar="TARGET=NEW",
                     help="a manifest target that lives at NEW in this release (as the "
                          "moved? lines suggest, once a person has confirmed it)")
+    ap.add_argument("--patch", nargs="+", default=(), metavar="TARGET=DIFF",
+                    help="a source patch a person ported to this release: DIFF is the "
+                         "unified diff against the new source (written as its patch)")
     ap.add_argument("--out", type=Path, default=None, metavar="ROOT",
                     help="where pins are written (default: the package's patches/)")
     ap.add_argument("--hash", nargs="+", metavar="TARGET", default=None,
@@ -320,7 +367,13 @@ def main(argv: list[str] | None = None) -> int:
         if not sep or not target or not where:
             ap.error(f"--moved takes TARGET=NEW, got {pair!r}")
         moved[target] = where
-    return rebase(root, args.write, tuple(args.accept), args.out, moved)
+    ported = {}
+    for pair in args.patch:
+        target, sep, diff = pair.partition("=")
+        if not sep or not target or not diff:
+            ap.error(f"--patch takes TARGET=DIFF, got {pair!r}")
+        ported[target] = Path(diff)
+    return rebase(root, args.write, tuple(args.accept), args.out, moved, ported)
 
 
 if __name__ == "__main__":

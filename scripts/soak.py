@@ -86,6 +86,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # dataplane_fixtures: SGLang's scheduler-side calls
 
+from sglang_hisparse.adapter import releases  # noqa: E402
 from sglang_hisparse.engine.state import ReqState  # noqa: E402
 
 
@@ -325,7 +326,8 @@ class Sim:
             raise Mismatch("alloc_extend failed after admission said yes")
         self.r2t.req_to_token[req.req_pool_idx, pre:end] = out.to(torch.int32)
         self.write_kv(req, range(pre, end), out)
-        req.sim_len = req.kv_allocated_len = req.kv_committed_len = req.fill_len = end
+        releases.current.set_prefill_range(req, pre, end)
+        req.sim_len = req.kv_allocated_len = req.kv_committed_len = end
         self.stats["prefill"] += 1
         if end < req.sim_target:
             return

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from sglang_hisparse import SUPPORTED_SGLANG_VERSIONS, __version__
 from sglang_hisparse.arg_rules import dsa_row_bytes
-from sglang_hisparse.manifest import DEPENDS, ENTRIES, HOOKS, Entry, Kind
+from sglang_hisparse.manifest import DEPENDS, HOOKS, Entry, Kind, entries_of
 from sglang_hisparse.pinned_source import installed_sglang_root, sglang_version
 
 _INDENT = " " * 7
@@ -121,10 +121,12 @@ def run_doctor(root: Path | None, out=sys.stdout, verbose: bool = False) -> int:
         file=out,
     )
     failures = {"hooks": 0, "dependencies": 0}
+    # Only the entries whose target the compared release has (``since``).
+    hooks, depends = entries_of(ref, HOOKS), entries_of(ref, DEPENDS)
     for title, key, entries in (
-        ("installed (hooks and patches)", "hooks", HOOKS),
+        ("installed (hooks and patches)", "hooks", hooks),
         ("dependencies (DEPENDS: hash only; a change needs a person to re-read our side)",
-         "dependencies", DEPENDS),
+         "dependencies", depends),
     ):
         print(f"\n{title}: {len(entries)}", file=out)
         for entry in entries:
@@ -134,9 +136,9 @@ def run_doctor(root: Path | None, out=sys.stdout, verbose: bool = False) -> int:
                 print(line, file=out)
     bad = sum(failures.values())
     print(
-        f"\n{len(ENTRIES) - bad} of {len(ENTRIES)} entries OK "
-        f"({len(HOOKS) - failures['hooks']} of {len(HOOKS)} hooks, "
-        f"{len(DEPENDS) - failures['dependencies']} of {len(DEPENDS)} dependencies)",
+        f"\n{len(hooks) + len(depends) - bad} of {len(hooks) + len(depends)} entries OK "
+        f"({len(hooks) - failures['hooks']} of {len(hooks)} hooks, "
+        f"{len(depends) - failures['dependencies']} of {len(depends)} dependencies)",
         file=out,
     )
     return 0 if supported and bad == 0 else 1

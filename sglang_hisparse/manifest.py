@@ -114,6 +114,10 @@ class Entry:
     # DEPENDS, those that run the target or our mirror of it (the hash itself
     # is checked by tests/test_manifest.py).
     tests: tuple[str, ...] = ()
+    # The first pinned release whose source has the target (None: all of
+    # them). Pins of earlier releases do not hash it and nothing checks it
+    # there: a seam a later release added (0.5.15's Scheduler.release_host_resources).
+    since: str | None = None
 
     def __post_init__(self):
         if self.sha256 is None:
@@ -122,6 +126,10 @@ class Entry:
     @property
     def name(self) -> str:
         return self.target.removeprefix("sglang.srt.")
+
+    def applies_to(self, version: str) -> bool:
+        """Whether the release ``version`` has this entry's target."""
+        return self.since is None or pins.version_key(version) >= pins.version_key(self.since)
 
 
 _SCHED = "sglang.srt.managers.scheduler.Scheduler"
@@ -237,10 +245,15 @@ HOOKS: tuple[Entry, ...] = (
         # The defaults themselves are native; the entry lives as long as our
         # validate_hisparse does, so it is not dropped by release.
         native_in=None,
-        impl="sglang_hisparse.adapter.args:apply_hisparse_dsa_backend_defaults",
+        # The target's signature differs per release (0.5.15.post1's pin
+        # records it moved to hisparse_hook._hisparse_default_backend(dtype),
+        # asked by overrides._dsa_split_backend_resolution): the installed
+        # release's hook, adapter/releases/.
+        impl="sglang_hisparse.adapter.releases:dsa_backend_defaults",
         upstream=(
-            "0.5.13 srt/arg_groups/hisparse_hook.py:23-46; 0.5.23 moved it into "
-            "arg_groups/overrides.py:_dsa_split_backend_resolution (677-706)"
+            "0.5.13 srt/arg_groups/hisparse_hook.py:23-46; 0.5.15 moved the "
+            "defaults into arg_groups/overrides.py:_dsa_split_backend_resolution, "
+            "which asks hisparse_hook._hisparse_default_backend"
         ),
         removal=(
             "droppable together with our validate_hisparse only; while that is "
@@ -606,6 +619,7 @@ def _depends(
     process: Process = Process.SCHEDULER,
     scope: Scope = Scope.DATA_PLANE,
     tests: tuple[str, ...] = (),
+    since: str | None = None,
 ) -> Entry:
     return Entry(
         target=target,
@@ -617,6 +631,7 @@ def _depends(
         scope=scope,
         relied_on_by=relied_on_by,
         tests=tests,
+        since=since,
         removal=(
             "hash only: re-read relied_on_by when the target changes; drop with "
             "the code that relies on it"
@@ -696,6 +711,13 @@ DEPENDS: tuple[Entry, ...] = (
         tests=("tests/test_coordinator.py",),
     ),
     _depends(
+        f"{_MR}._prepare_eager_forward_batch",
+        "0.5.15: the eager forward's num_real_reqs.fill_(batch_size), which 0.5.13 "
+        "did inline in _forward_raw",
+        (f"{_COUNT}.fill_",),
+        since="0.5.15.post1",
+    ),
+    _depends(
         f"{_GRAPH}.capture_one_batch_size",
         "fills num_real_reqs with the captured batch size; the graph keeps the "
         "address of num_real_reqs' tensor, so it must never be reallocated",
@@ -743,6 +765,13 @@ DEPENDS: tuple[Entry, ...] = (
         "takes the coordinator from tp_worker.model_runner and calls "
         "set_decode_producer_stream(self.forward_stream)",
         (f"{_COORD}.set_decode_producer_stream",),
+    ),
+    _depends(
+        f"{_SCHED}.release_host_resources",
+        "0.5.15: graceful shutdown calls the coordinator's destroy() (drain the "
+        "side streams, release the pinned host pool)",
+        (f"{_COORD}.destroy",),
+        since="0.5.15.post1",
     ),
     _depends(
         f"{_SCHED}.is_fully_idle",
@@ -996,3 +1025,8 @@ def entries_for(native_only: bool) -> tuple[Entry, ...]:
     native comparison (ALWAYS + NATIVE)."""
     skip = Scope.DATA_PLANE if native_only else Scope.NATIVE
     return tuple(e for e in ENTRIES if e.scope is not skip)
+
+
+def entries_of(version: str, entries: tuple[Entry, ...] = ENTRIES) -> tuple[Entry, ...]:
+    """The entries whose target the release ``version`` has."""
+    return tuple(e for e in entries if e.applies_to(version))

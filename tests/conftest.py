@@ -78,6 +78,13 @@ def sglang_0_5_13_post1(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def sglang_0_5_15_post1(tmp_path_factory):
+    from releases import sglang_release
+
+    return sglang_release(tmp_path_factory, "0.5.15.post1")
+
+
+@pytest.fixture(scope="session")
 def sglang_0_5_17(tmp_path_factory):
     from releases import sglang_release
 

@@ -21,6 +21,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch
 
+from sglang_hisparse.adapter import releases
+
 PS = 64
 LAYERS = 2
 
@@ -61,8 +63,10 @@ def prefill(r2t, alloc, req, n, pool=None, tag=None):
     out = alloc.alloc_extend(t64(0), t64(0), t64(n), t64(n), t64(-1), n)
     assert out is not None
     r2t.req_to_token[idx, :n] = out.to(torch.int32)
-    # as ScheduleBatch.prepare_for_extend leaves a fully prefilled request
-    req.fill_len = req.kv_allocated_len = req.kv_committed_len = n
+    # as the prefill scheduler and ScheduleBatch.prepare_for_extend leave a
+    # fully prefilled request (the release names the prefill range its way)
+    releases.current.set_prefill_range(req, 0, n)
+    req.kv_allocated_len = req.kv_committed_len = n
     if pool is not None:
         rows = alloc.translate_to_physical(out)
         for layer in range(pool.layer_num):
@@ -231,7 +235,9 @@ class _RecordingSocket:
     def __init__(self):
         self.sent = []
 
-    def send_pyobj(self, obj):
+    def send_pyobj(self, obj, flags=0, protocol=None):
+        # (0.5.15 sends through sock_send, which passes zmq flags and the
+        # pickle protocol)
         self.sent.append(obj)
 
 
@@ -256,7 +262,7 @@ def abort_scheduler(coord, r2t, alloc, *, decode, waiting=(), retracted=(), runn
     scheduler = SimpleNamespace(
         hisparse_coordinator=coord, enable_hisparse=True,
         disaggregation_mode=DisaggregationMode.DECODE if decode else DisaggregationMode.NULL,
-        waiting_queue=list(waiting), enable_hicache_storage=False,
+        waiting_queue=list(waiting), enable_hicache_storage=False, chunked_req=None,
         tree_cache=chunk_cache(r2t, alloc), grammar_manager=grammar,
         ipc_channels=SchedulerIpcChannels(
             recv_from_tokenizer=None, recv_from_rpc=None, send_to_tokenizer=SenderWrapper(socket),

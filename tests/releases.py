@@ -64,3 +64,14 @@ def overlay_release(tmp_path, files: dict):
             target.unlink()
         target.write_text(text)
     return root
+
+
+def installed_object(target: str):
+    """The SGLang object a manifest target names, where the installed release
+    keeps it (its pin records a target a release moved)."""
+    import pkgutil
+
+    from sglang_hisparse import pins
+    from sglang_hisparse.pinned_source import sglang_version
+
+    return pkgutil.resolve_name(pins.release_target(target, sglang_version()))

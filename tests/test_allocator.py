@@ -27,7 +27,10 @@ def test_sizes_and_mapping_sentinel(setup):
 
 def test_subclasses_generic_base_only(setup):
     from sglang.srt.mem_cache.allocator import BaseTokenToKVPoolAllocator, PagedTokenToKVPoolAllocator
-    from sglang.srt.mem_cache.hisparse_memory_pool import HiSparseTokenToKVPoolAllocator
+    from releases import installed_object
+
+    HiSparseTokenToKVPoolAllocator = installed_object(
+        "sglang.srt.mem_cache.hisparse_memory_pool.HiSparseTokenToKVPoolAllocator")
 
     _, alloc, _ = setup
     assert isinstance(alloc, BaseTokenToKVPoolAllocator)

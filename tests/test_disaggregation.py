@@ -17,6 +17,7 @@ import torch
 
 from dataplane_fixtures import (
     PS, abort, abort_scheduler, chunk_cache, decode_step, dsa_pool, free_counts, get_tag,
+    installed_server_args,
     make_req, pre_alloc, put_tag, release, req_pool, t64,
 )
 from sglang_hisparse.pools.allocator import HiSparseDualAllocator
@@ -27,14 +28,14 @@ HOT, TOPK = 128, 16
 
 
 @pytest.fixture
-def server_args(monkeypatch):
+def server_args():
     """The global ServerArgs ``release_kv_cache`` reads, as on a PD decode node."""
     import sglang.srt.server_args as sa
 
     args = sa.ServerArgs(model_path="dummy")
     args.page_size, args.disaggregation_mode = PS, "decode"
-    monkeypatch.setattr(sa, "_global_server_args", args)
-    return args
+    with installed_server_args(args):
+        yield args
 
 
 class PDEnv:

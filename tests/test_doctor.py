@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from sglang_hisparse.manifest import ENTRIES, HOOKS
+from sglang_hisparse.pinned_source import sglang_version
+from sglang_hisparse.manifest import HOOKS, entries_of
 
 
 def _doctor(*args):
@@ -26,10 +27,11 @@ def test_doctor_on_pinned_release_passes():
     proc = _doctor()
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     out = proc.stdout
-    assert "sglang 0.5.13" in out and "supported: yes" in out
-    for entry in ENTRIES:
+    assert f"sglang {sglang_version()}" in out and "supported: yes" in out
+    entries = entries_of(sglang_version())
+    for entry in entries:
         assert f"OK   {entry.kind.value:<12} {entry.process.value:<9} {entry.target}\n" in out
-    assert f"{len(ENTRIES)} of {len(ENTRIES)} entries OK" in out
+    assert f"{len(entries)} of {len(entries)} entries OK" in out
     # Each hook says what it installs, why and when it goes away.
     blocks = out.split("\n  OK   ")[1:]
     for entry, block in zip(HOOKS, blocks):
@@ -51,17 +53,17 @@ def test_doctor_lists_what_no_longer_matches_on_0_5_15(sglang_0_5_15):
     assert proc.returncode == 1
     assert "Traceback" not in out
     assert "sglang 0.5.15" in out and "supported: NO" in out
-    # The decode-batch fix became native in 0.5.15: its source changed there.
+    # Checked against the newest pin (0.5.15.post1), which changed the DSA
+    # backend's decode path: a dependency fails on the release before it.
     assert (
-        "FAIL SOURCE_PATCH scheduler sglang.srt.managers.scheduler.Scheduler._build_hisparse_decode_batch"
+        "FAIL DEPENDS      scheduler "
+        "sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend.forward_decode"
         in out
     )
     # Every failing entry is followed by one line that says why.
     lines = out.splitlines()
     fails = [i for i, line in enumerate(lines) if line.lstrip().startswith("FAIL")]
     assert fails and all(lines[i + 1].lstrip().startswith("->") for i in fails)
-    # Dependencies are checked on the new release too.
-    assert any(lines[i].lstrip().startswith("FAIL DEPENDS") for i in fails)
 
 
 # ------------------------------------------------------------ --kernels

@@ -13,7 +13,16 @@ import pytest
 import torch
 
 from conftest import run_python
-from dataplane_fixtures import decode_step, make_req, prefill, release, req_pool, t64
+from dataplane_fixtures import (
+    decode_step,
+    installed_server_args,
+    make_req,
+    prefill,
+    release,
+    req_pool,
+    t64,
+)
+from sglang_hisparse.adapter import releases
 from sglang_hisparse.pools.allocator_c4 import DSV4HiSparseAllocator
 from sglang_hisparse.pools.device_c4 import C4_RATIO, DSV4C4DevicePool
 from sglang_hisparse.kernels import reference
@@ -28,27 +37,30 @@ def build(c4_dev=C4_DEV):
     """DeepSeekV4TokenToKVPool(enable_hisparse=True) with our C4 pool, SGLang's SWA
     allocator and our allocator around it (what the 0.5.13 mixin does)."""
     import sglang.srt.mem_cache.deepseek_v4_memory_pool as dsv4_pool_mod
-    import sglang.srt.server_args as sa_mod
     from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
     from sglang.srt.server_args import ServerArgs
 
     # The pool reads the process-wide server args (ring size, fp4 indexer) while
     # it is built; the native class name is pointed at ours the way class
     # REPLACE does it. Both are put back afterwards.
-    saved_args, saved_cls = sa_mod._global_server_args, dsv4_pool_mod.HiSparseC4DevicePool
-    sa_mod.set_global_server_args_for_scheduler(ServerArgs(model_path="dummy"))
+    saved_cls = dsv4_pool_mod.HiSparseC4DevicePool
     dsv4_pool_mod.HiSparseC4DevicePool = DSV4C4DevicePool
+    # One state dtype (0.5.13) or one per compressed state pool (0.5.15): as
+    # the release's own constructor names it.
+    params = inspect.signature(dsv4_pool_mod.DeepSeekV4TokenToKVPool.__init__).parameters
+    state_dtypes = ({"state_dtype": torch.float32} if "state_dtype" in params else
+                    {"c4_state_dtype": torch.float32, "c128_state_dtype": torch.float32})
     try:
-        pool = dsv4_pool_mod.DeepSeekV4TokenToKVPool(
-            max_num_reqs=8, swa_size=SWA, c4_size=c4_dev, c128_size=FULL // 128,
-            c4_state_pool_size=16, c128_state_pool_size=16, page_size=PS,
-            swa_page_size=SWA_PS, dtype=torch.uint8, state_dtype=torch.float32,
-            qk_nope_head_dim=448, qk_rope_head_dim=64, indexer_head_dim=128,
-            layer_num=4, device="cpu", enable_memory_saver=False,
-            compression_ratios=[0, 4, 128, 4], enable_hisparse=True,
-        )
+        with installed_server_args(ServerArgs(model_path="dummy")):
+            pool = dsv4_pool_mod.DeepSeekV4TokenToKVPool(
+                max_num_reqs=8, swa_size=SWA, c4_size=c4_dev, c128_size=FULL // 128,
+                c4_state_pool_size=16, c128_state_pool_size=16, page_size=PS,
+                swa_page_size=SWA_PS, dtype=torch.uint8, **state_dtypes,
+                qk_nope_head_dim=448, qk_rope_head_dim=64, indexer_head_dim=128,
+                layer_num=4, device="cpu", enable_memory_saver=False,
+                compression_ratios=[0, 4, 128, 4], enable_hisparse=True,
+            )
     finally:
-        sa_mod._global_server_args = saved_args
         dsv4_pool_mod.HiSparseC4DevicePool = saved_cls
     swa = SWATokenToKVPoolAllocator(FULL, SWA, page_size=PS, dtype=torch.uint8, device="cpu",
                                     kvcache=pool, need_sort=False)
@@ -127,9 +139,10 @@ def test_builds_real_sglang_pool_on_cpu_with_our_c4_pool():
 
 def test_drop_in_signatures_and_public_api():
     from sglang.srt.mem_cache.deepseek_v4_memory_pool import HiSparseC4DevicePool
-    from sglang.srt.mem_cache.hisparse_memory_pool import (
-        DeepSeekV4HiSparseTokenToKVPoolAllocator as NativeAlloc,
-    )
+    from releases import installed_object
+
+    NativeAlloc = installed_object(
+        "sglang.srt.mem_cache.hisparse_memory_pool.DeepSeekV4HiSparseTokenToKVPoolAllocator")
 
     for ours, native in ((DSV4HiSparseAllocator, NativeAlloc), (DSV4C4DevicePool, HiSparseC4DevicePool)):
         assert inspect.signature(ours.__init__).parameters.keys() == \
@@ -495,7 +508,8 @@ def test_coordinator_c4_direct_admission():
     req.req_pool_idx = idx
     full = env.alloc.alloc_logical_only(t64(0), t64(0), t64(300), t64(300), t64(-1), 300)
     env.r2t.req_to_token[idx, :300] = full.to(torch.int32)
-    req.fill_len = req.kv_allocated_len = req.kv_committed_len = 300
+    releases.current.set_prefill_range(req, 0, 300)
+    req.kv_allocated_len = req.kv_committed_len = 300
     host = env.host.alloc_paged_token_slots(env.coord.req_to_host_pool,
                                             env.coord.req_to_host_pool_allocated_len, idx, 0,
                                             env.coord.host_token_len(300))
@@ -566,16 +580,22 @@ def test_class_replace_reaches_every_sglang_user():
         act = activate()
         import sglang.srt.mem_cache.chunk_cache as cc       # may be imported after
         import sglang.srt.model_executor.model_runner_kv_cache_mixin as mx
-        import sglang.srt.mem_cache.hisparse_memory_pool as hmp
+        import importlib
         import sglang.srt.mem_cache.deepseek_v4_memory_pool as dp
+        from sglang_hisparse import pins
+        from sglang_hisparse.pinned_source import sglang_version
+        # The allocator's own module, wherever the release keeps it.
+        am = importlib.import_module(pins.release_target(
+            "sglang.srt.mem_cache.hisparse_memory_pool.DeepSeekV4HiSparseTokenToKVPoolAllocator",
+            sglang_version()).rsplit(".", 1)[0])
         from sglang_hisparse.pools.allocator_c4 import DSV4HiSparseAllocator
         from sglang_hisparse.pools.device_c4 import DSV4C4DevicePool
         print(json.dumps(dict(
             applied=act.applied, error=act.error,
             names=[m.DeepSeekV4HiSparseTokenToKVPoolAllocator is DSV4HiSparseAllocator
-                   for m in (sp, cc, mx, hmp)],
+                   for m in (sp, cc, mx, am)],
             pool=[dp.HiSparseC4DevicePool is DSV4C4DevicePool,
-                  hmp.HiSparseC4DevicePool is DSV4C4DevicePool],
+                  am.HiSparseC4DevicePool is DSV4C4DevicePool],
         )))
         """
     )

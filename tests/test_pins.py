@@ -1,7 +1,9 @@
 """The supported releases as data (patches/sglang-<version>/pin.json): what
 they hold, that the manifest reads its hashes from them, and that the pin of
-0.5.13.post1 is exactly what ``scripts/rebase.py --write`` produces from
-that release's wheel, which doctor then accepts."""
+every release but the primary one (0.5.13.post1, 0.5.15.post1) is exactly
+what ``scripts/rebase.py --write`` produces from that release's wheel, which
+doctor then accepts (CI runs the whole suite on the primary and the newest
+pin; these checks are what the others get)."""
 
 from __future__ import annotations
 
@@ -11,12 +13,21 @@ import subprocess
 import textwrap
 import sys
 
+import pytest
+
 from conftest import REPO
 from sglang_hisparse import SUPPORTED_SGLANG_VERSIONS, pins
-from sglang_hisparse.manifest import ENTRIES
+from sglang_hisparse.manifest import ENTRIES, entries_of
 from sglang_hisparse.pinned_source import read_pinned_source, sglang_version
 
 POST1 = "0.5.13.post1"
+POST1_15 = "0.5.15.post1"
+# Every pin but the primary one, with the fixture that downloads its wheel
+# and the pin it was rebased from.
+OTHER_PINS = (
+    pytest.param(POST1, "sglang_0_5_13_post1", "0.5.13", id=POST1),
+    pytest.param(POST1_15, "sglang_0_5_15_post1", POST1, id=POST1_15),
+)
 
 
 def _rebase(*args):
@@ -25,51 +36,63 @@ def _rebase(*args):
 
 
 def test_supported_releases_are_the_pins():
-    assert SUPPORTED_SGLANG_VERSIONS == ("0.5.13", POST1)
+    assert SUPPORTED_SGLANG_VERSIONS == ("0.5.13", POST1, POST1_15)
     assert pins.supported_versions() == SUPPORTED_SGLANG_VERSIONS
     assert pins.version_key("0.5.13") < pins.version_key(POST1) < pins.version_key("0.5.15")
+    assert pins.version_key("0.5.15") < pins.version_key(POST1_15) < pins.version_key("0.5.17")
 
 
 def test_every_pin_hashes_every_entry_and_the_manifest_reads_them():
-    targets = {e.target for e in ENTRIES}
     for version in SUPPORTED_SGLANG_VERSIONS:
         data = json.loads((pins.pin_dir(version) / pins.PIN_FILE).read_text())
         assert data["sglang"] == version and data["written_by"] == pins.WRITER
-        assert set(data["sha256"]) == targets, version
-        for e in ENTRIES:
+        # Every entry whose target the release has (``since``), no other.
+        assert set(data["sha256"]) == {e.target for e in entries_of(version)}, version
+        for e in entries_of(version):
             assert e.sha256[version] == data["sha256"][e.target]
-    # The installed release is what its pin says, entry by entry.
-    for e in ENTRIES:
-        assert read_pinned_source(e.target).sha256 == e.sha256[sglang_version()], e.target
+    assert {e.target for e in ENTRIES} - {e.target for e in entries_of("0.5.13")} == {
+        "sglang.srt.managers.scheduler.Scheduler.release_host_resources",
+        "sglang.srt.model_executor.model_runner.ModelRunner._prepare_eager_forward_batch",
+    }
+    # The installed release is what its pin says, entry by entry (at the
+    # place the pin records for a moved one).
+    for e in entries_of(sglang_version()):
+        where = pins.release_target(e.target, sglang_version())
+        assert read_pinned_source(where).sha256 == e.sha256[sglang_version()], e.target
 
 
-def test_the_post1_pin_is_what_rebase_writes(sglang_0_5_13_post1, tmp_path):
+@pytest.mark.parametrize(("version", "fixture", "rebased_from"), OTHER_PINS)
+def test_the_pin_is_what_rebase_writes(version, fixture, rebased_from, request, tmp_path):
+    release = request.getfixturevalue(fixture)
     # Without --write nothing is written.
-    dry = _rebase(str(sglang_0_5_13_post1), "--out", str(tmp_path / "dry"))
+    dry = _rebase(str(release), "--out", str(tmp_path / "dry"))
     assert dry.returncode == 0, dry.stdout + dry.stderr
     assert not (tmp_path / "dry").exists()
     assert "0 entries need a human" in dry.stdout
-    assert dry.stdout.count("\n  same     ") == len(ENTRIES)
+    # rebase compares a release that has a pin with that pin: every entry is
+    # "same" (moved ones at the place the pin records) and its patches carry over.
+    assert dry.stdout.count("\n  same     ") == len(entries_of(version))
 
-    proc = _rebase(str(sglang_0_5_13_post1), "--write", "--out", str(tmp_path))
+    proc = _rebase(str(release), "--write", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    written, committed = tmp_path / f"sglang-{POST1}", pins.pin_dir(POST1)
+    written, committed = tmp_path / f"sglang-{version}", pins.pin_dir(version)
     cmp = filecmp.dircmp(written, committed)
     assert not (cmp.left_only or cmp.right_only or cmp.diff_files), (
         cmp.left_only, cmp.right_only, cmp.diff_files)
-    # rebase compares with the newest pin, which is this one: a second run
-    # over the same release is all "same" too.
-    assert json.loads((written / pins.PIN_FILE).read_text())["rebased_from"] == "0.5.13"
+    assert json.loads((written / pins.PIN_FILE).read_text())["rebased_from"] == rebased_from
 
 
-def test_doctor_accepts_post1(sglang_0_5_13_post1):
+@pytest.mark.parametrize(("version", "fixture", "rebased_from"), OTHER_PINS)
+def test_doctor_accepts_the_pin(version, fixture, rebased_from, request):
+    release = request.getfixturevalue(fixture)
     proc = subprocess.run([sys.executable, "-m", "sglang_hisparse", "doctor",
-                           "--sglang-root", str(sglang_0_5_13_post1)],
+                           "--sglang-root", str(release)],
                           capture_output=True, text=True, cwd=str(REPO), timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
-    assert f"sglang {POST1}" in out and "supported: yes" in out
-    assert f"{len(ENTRIES)} of {len(ENTRIES)} entries OK" in out
+    assert f"sglang {version}" in out and "supported: yes" in out
+    n = len(entries_of(version))
+    assert f"{n} of {n} entries OK" in out
 
 
 def test_rebase_writes_nothing_while_entries_need_a_person(sglang_0_5_15, tmp_path):
@@ -156,14 +179,15 @@ def test_a_moved_target_is_offered_confirmed_and_followed(tmp_path):
     assert f"  same     {target}\n" in done.stdout  # moved verbatim: the hash carries over
     installed = sglang_version()  # the overlay is the installed release, edited
     written = json.loads((out / f"sglang-{installed}" / pins.PIN_FILE).read_text())
-    assert written["moved"] == {target: new_place}
+    # (beside what the installed release's own pin records as moved)
+    assert written["moved"] == {**pins.pin(installed).get("moved", {}), target: new_place}
 
     # The loader, reading that pin, checks the target at its new place.
     check = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
         from pathlib import Path
         from sglang_hisparse import pins
         pins.PATCH_ROOT = Path({str(out)!r}); pins.pin.cache_clear()
-        from sglang_hisparse.manifest import ENTRIES
+        from sglang_hisparse.manifest import ENTRIES, entries_of
         from sglang_hisparse.plugin import check_entry
         (e,) = [e for e in ENTRIES if e.target == {target!r}]
         c = check_entry(e, {installed!r}, Path({str(root)!r}), build=False)

@@ -59,11 +59,17 @@ def test_load_plugins_activates_once_and_is_idempotent():
     # entries install nothing.
     from sglang_hisparse.manifest import DEPENDS, HOOKS, Kind, Scope
 
-    ours = {e.target for e in HOOKS if e.kind is not Kind.PROPERTY and e.scope is not Scope.NATIVE}
+    from sglang_hisparse import pins
+
+    # (where the installed release keeps each target: its pin records moves)
+    ours = {pins.release_target(e.target, sglang_version())
+            for e in HOOKS if e.kind is not Kind.PROPERTY and e.scope is not Scope.NATIVE}
     assert ours <= set(res["registered"])
     assert not {e.target for e in HOOKS if e.scope is Scope.NATIVE} & set(res["registered"])
     assert not {e.target for e in DEPENDS} & set(res["registered"])
-    assert len(res["depends_hooks"]) == len(DEPENDS) and not any(res["depends_hooks"])
+    # (every dependency the installed release has: ``since`` leaves out later seams)
+    here = [e for e in DEPENDS if e.applies_to(sglang_version())]
+    assert len(res["depends_hooks"]) == len(here) and not any(res["depends_hooks"])
 
 
 def test_patched_decode_batch_sets_cpu_indices():
@@ -103,7 +109,9 @@ def test_patched_decode_batch_sets_cpu_indices_and_asks_only_requested_logprobs(
         import sglang.srt.server_args as sa
         from sglang.srt.managers.scheduler import Scheduler
         from sglang.srt.managers.overlap_utils import FutureMap
-        from sglang.srt.mem_cache.hisparse_memory_pool import HiSparseTokenToKVPoolAllocator
+        from releases import installed_object
+        HiSparseTokenToKVPoolAllocator = installed_object(
+            "sglang.srt.mem_cache.hisparse_memory_pool.HiSparseTokenToKVPoolAllocator")
         from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
         sa.set_global_server_args_for_scheduler(sa.ServerArgs(model_path="dummy"))
@@ -135,7 +143,14 @@ def test_patched_decode_batch_sets_cpu_indices_and_asks_only_requested_logprobs(
         """
     )
     res = _last_json(proc)
-    assert res["stock"] is None  # what 0.5.13 leaves for the eager backup to index
+    # Where the release's patch adds the CPU indices (0.5.13 and .post1), the
+    # stock batch leaves them None for the eager backup to index; from 0.5.15
+    # the release sets them itself and its patch keeps only the logprob hunk.
+    from sglang_hisparse.source_patch import patch_file
+
+    patch = patch_file(sglang_version(), TARGET).read_text()
+    adds_cpu_indices = "+        batch.req_pool_indices_cpu" in patch
+    assert (res["stock"] is None) is adds_cpu_indices
     assert res["fixed"] == res["device"] == [1, 2]
     # 0.5.13 asks every decode step for the logprob of each prompt token id.
     assert res["stock_id_counts"] == [300, 70]
@@ -201,8 +216,11 @@ results["bad_hash"] = dict(applied=act.applied, error=act.error, untouched=untou
 tmp = pathlib.Path(tempfile.mkdtemp())
 (tmp / f"sglang-{V}").mkdir()
 diff = source_patch.patch_file(V, TARGET).read_text()
-(tmp / f"sglang-{V}" / f"{TARGET}.diff").write_text(
-    diff.replace("batch.req_pool_indices = torch.tensor(", "batch.req_pool_idx = torch.tensor("))
+# The patch's first context line, changed: a hunk the pinned source does not hold.
+lines = diff.splitlines(keepends=True)
+first_context = next(i for i, line in enumerate(lines) if line.startswith(" ") and line.strip())
+lines[first_context] = lines[first_context].rstrip("\\n") + "  # not in the source\\n"
+(tmp / f"sglang-{V}" / f"{TARGET}.diff").write_text("".join(lines))
 real_root = source_patch.PATCH_ROOT
 source_patch.PATCH_ROOT = tmp
 act = activate(entries=(good,))

@@ -9,5 +9,7 @@ new pin or a new SGLang seam is a change here:
 * :mod:`.model_runner` - the coordinator SGLang builds, ``max_token_pool_size``;
 * :mod:`.metrics` - the decode log line, pool stats, Prometheus;
 * :mod:`.sglang_classes` - the SGLang base classes our pools derive from;
-* :mod:`.hook_registry` - installing hooks through SGLang's ``HookRegistry``.
+* :mod:`.hook_registry` - installing hooks through SGLang's ``HookRegistry``;
+* :mod:`.releases` - what differs per pinned release (one module per release
+  line, chosen for the installed one in one place).
 """

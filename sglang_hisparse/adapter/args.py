@@ -338,8 +338,9 @@ def apply_hisparse_dsa_backend_defaults(
 # override it).
 #
 # ``swap_in_block_size`` has no ``SparseConfig`` field in 0.5.13; it travels in
-# ``sparse_extra_config`` (and :func:`resolved_hisparse_config` gives our own object to
-# code that wants it).
+# ``sparse_extra_config`` (0.5.15 adds the field: the release module builds
+# the dataclass, ``adapter/releases/``), and :func:`resolved_hisparse_config`
+# gives our own object to code that wants it.
 
 
 def resolved_hisparse_config(server_args) -> HiSparseConfig:
@@ -352,14 +353,8 @@ def resolved_hisparse_config(server_args) -> HiSparseConfig:
 
 def parse_hisparse_config(server_args):
     """REPLACE for ``sglang.srt.mem_cache.sparsity.factory.parse_hisparse_config``."""
-    from sglang.srt.mem_cache.sparsity.core.sparse_coordinator import SparseConfig
+    from sglang_hisparse.adapter import releases
 
-    config = resolved_hisparse_config(server_args)
     # algorithm/backend/page_size/min_sparse_prompt_len belong to SGLang's
     # generic sparse coordinator, which HiSparse does not use: left at None.
-    return SparseConfig(
-        top_k=config.top_k,
-        device_buffer_size=config.device_buffer_size,
-        host_to_device_ratio=config.host_to_device_ratio,
-        sparse_extra_config={"swap_in_block_size": config.swap_in_block_size},
-    )
+    return releases.current.sparse_config(resolved_hisparse_config(server_args))

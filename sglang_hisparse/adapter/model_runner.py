@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from sglang_hisparse.adapter import metrics
+from sglang_hisparse.adapter import metrics, releases
 from sglang_hisparse.engine.coordinator import Coordinator
 
 
@@ -84,14 +84,21 @@ def abort_for_drift(req, message: str) -> None:
 
 
 class HiSparseCoordinator(Coordinator):
-    """Drop-in for 0.5.13 ``HiSparseCoordinator`` (same constructor)."""
+    """Drop-in for the release's ``HiSparseCoordinator`` (same constructor:
+    0.5.15 adds ``swap_in_block_size``, which arrives in ``engine_options``)."""
+
+    # Where the release keeps a request's prefill length.
+    prefill_len = staticmethod(releases.current.prefill_len)
 
     def __init__(self, req_to_token_pool, token_to_kv_pool_allocator, top_k: int,
                  device_buffer_size: int, device, tp_group, host_to_device_ratio: int = 2,
-                 **engine_options):
+                 swap_in_block_size: Optional[int] = None, **engine_options):
         server_args = _server_args()
-        if engine_options.get("swap_in_block_size") is None:
-            engine_options["swap_in_block_size"] = configured_swap_in_block_size(server_args)
+        # 0.5.15 passes SparseConfig.swap_in_block_size (ours: None unless
+        # configured); 0.5.13 passes nothing. Unset: the configured one.
+        if swap_in_block_size is None:
+            swap_in_block_size = configured_swap_in_block_size(server_args)
+        engine_options["swap_in_block_size"] = swap_in_block_size
         if engine_options.get("pd_decode") is None:
             engine_options["pd_decode"] = is_pd_decode(server_args)
         if engine_options.get("host_pool") is None:
@@ -108,10 +115,9 @@ def model_runner_max_token_pool_size(self):
     """PROPERTY getter for ``ModelRunner.max_token_pool_size`` (0.5.13
     ``model_runner.py:2204``): with HiSparse the longest request is bounded by
     the host-backed logical space, not the GPU pool (0.5.23 MR:1516-1524).
-    Feeds ``TpModelWorker.max_req_len`` and the PD prefill budget."""
+    Feeds ``TpModelWorker.max_req_len`` and the PD prefill budget. Without
+    HiSparse: the release's own answer."""
     alloc = getattr(self, "token_to_kv_pool_allocator", None)
     if getattr(self, "enable_hisparse", False) and hasattr(alloc, "logical_capacity"):
         return alloc.logical_capacity
-    if self.is_hybrid_swa:
-        return self.full_max_total_num_tokens
-    return self.max_total_num_tokens
+    return releases.current.native_max_token_pool_size(self)

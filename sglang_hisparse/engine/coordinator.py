@@ -230,6 +230,14 @@ class Coordinator:
     def _page_up(self, n: int) -> int:
         return -(-int(n) // self.page_size) * self.page_size
 
+    @staticmethod
+    def prefill_len(req) -> int:
+        """How far the request's prefill reached (its KV length once the
+        prefill ran). SGLang names this differently per release (0.5.13:
+        ``fill_len``); the adapter's coordinator reads it the installed
+        release's way."""
+        return req.fill_len
+
     def host_token_len(self, kv_allocated_len: int) -> int:
         return kv_allocated_len // self.compress_ratio if self.is_dsv4_hisparse else kv_allocated_len
 
@@ -281,7 +289,7 @@ class Coordinator:
                 held = P  # claims rows only when it joins (checked then)
             elif state is staging or state is host_wait:
                 # Rows it still holds from prefill, in this pool's units (C4 rows for V4).
-                held = page_up(host_tokens(rec.req.fill_len))
+                held = page_up(host_tokens(self.prefill_len(rec.req)))
             else:
                 held = int(buffer_size[idx])
             if held < P:
@@ -402,7 +410,7 @@ class Coordinator:
 
     def _start_staging(self, req) -> bool:
         """HOST_WAIT -> STAGING when the host pool has the pages."""
-        rows = self._prefix_rows(req.req_pool_idx, req.fill_len)
+        rows = self._prefix_rows(req.req_pool_idx, self.prefill_len(req))
         if rows is None:
             return False
         host, physical = rows
@@ -469,7 +477,7 @@ class Coordinator:
         what it lacks); False when the pool has no rows (accounting drift)."""
         idx = req.req_pool_idx
         if self.is_dsv4_hisparse:
-            n_logical, size = req.fill_len, self.padded_buffer_size
+            n_logical, size = self.prefill_len(req), self.padded_buffer_size
         else:
             n_logical = req.kv_allocated_len
             size = self._buffer_size_for(n_logical)
@@ -714,7 +722,7 @@ class Coordinator:
 
     def free_prefill_rows(self, req) -> None:
         """Free the device rows a request's prefill still holds (none once parked)."""
-        logical = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.fill_len]
+        logical = self.req_to_token_pool.req_to_token[req.req_pool_idx, : self.prefill_len(req)]
         logical = logical.to(torch.int64)
         if self.is_dsv4_hisparse:
             # free_hisparse takes full ids; the C4 rows are keyed by compressed ids.
@@ -755,7 +763,7 @@ class Coordinator:
             pass  # holds no device row; its host rows go below
         elif state.is_resident:
             self.streams.before_release()
-            n = req.fill_len if state is S.RESIDENT_JOINING else req.kv_allocated_len
+            n = self.prefill_len(req) if state is S.RESIDENT_JOINING else req.kv_allocated_len
             self.residency.unmap_page_tail(idx, n)
             self.token_to_kv_pool_allocator.free_hisparse(self._logical_ids(idx, n))
         else:  # HOT, HOT_JOINING

@@ -81,7 +81,7 @@ class Parking:
             return physical - P
         # A staged request turns its prefill rows into the hot buffer; a
         # short one's growth to a full buffer is already owed.
-        held = self.coord._page_up(req.fill_len)
+        held = self.coord._page_up(self.coord.prefill_len(req))
         return physical + max(0, held - P)
 
     def _may_join(self, req, demand: Optional[PrefillDemand], running: int, parked: bool) -> bool:

@@ -89,9 +89,9 @@ class Residency:
             return False
         idx = req.req_pool_idx
         rec = coord.requests.admit(req, S.RESIDENT_JOINING)
-        rec.resident_rows = coord._page_up(req.fill_len)
+        rec.resident_rows = coord._page_up(coord.prefill_len(req))
         coord.tables.resident[idx] = 1
-        self._map_page_tail(idx, req.fill_len)
+        self._map_page_tail(idx, coord.prefill_len(req))
         return True
 
     # ------------------------------------------------------- page mapping

@@ -1,0 +1,56 @@
+"""What differs between the SGLang releases we pin, one module per release line.
+
+The rest of the package is written once; where a pinned release names or
+shapes something differently (a request field, a config dataclass, a hook
+target's signature), the difference lives in one module here, and this
+package picks it for the installed release in one place (:data:`current`).
+A new pin that changes such a thing adds a module and a line to
+``_FIRST_RELEASE``; nothing else tests the version.
+
+Every module offers the same names:
+
+* ``prefill_len(req)`` - how far a request's prefill reached (its KV length
+  once the prefill ran);
+* ``set_prefill_range(req, start, end)`` - what the prefill scheduler records
+  when it schedules ``[start, end)`` (the tests and the soak build requests
+  through it);
+* ``sparse_config(config)`` - SGLang's ``SparseConfig`` from our resolved config;
+* ``native_max_token_pool_size(model_runner)`` - the release's own
+  ``ModelRunner.max_token_pool_size`` (what ours falls back to);
+* ``dsa_backend_defaults`` - the hook installed over the release's HiSparse
+  DSA backend defaults (manifest entry ``apply_hisparse_dsa_backend_defaults``).
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from types import ModuleType
+
+from sglang_hisparse import pins
+from sglang_hisparse.pinned_source import sglang_version
+
+# (the oldest release a module is written for, the module): a release uses
+# the module of the newest entry at or before it.
+_FIRST_RELEASE: tuple[tuple[str, str], ...] = (
+    ("0.5.13", "sglang_0_5_13"),
+    ("0.5.15.post1", "sglang_0_5_15"),
+)
+
+
+def module_for(version: str) -> ModuleType:
+    """The release module for ``version`` (ValueError before the oldest)."""
+    key = pins.version_key(version)
+    chosen = [name for first, name in _FIRST_RELEASE if pins.version_key(first) <= key]
+    if not chosen:
+        raise ValueError(f"sglang {version} predates every release module "
+                         f"(oldest: {_FIRST_RELEASE[0][0]})")
+    return import_module(f"{__name__}.{chosen[-1]}")
+
+
+# The installed release's module: the one place that reads the version.
+current: ModuleType = module_for(sglang_version())
+
+
+# The manifest's impl for the DSA backend defaults: the installed release's
+# hook itself (its target's signature differs per release).
+dsa_backend_defaults = current.dsa_backend_defaults

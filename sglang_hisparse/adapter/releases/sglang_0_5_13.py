@@ -1,0 +1,42 @@
+"""SGLang 0.5.13 and 0.5.13.post1."""
+
+from __future__ import annotations
+
+from sglang_hisparse.adapter.args import apply_hisparse_dsa_backend_defaults
+
+
+def prefill_len(req) -> int:
+    # 0.5.13 keeps it as Req.fill_len (prefix + this prefill's tokens).
+    return req.fill_len
+
+
+def set_prefill_range(req, start: int, end: int) -> None:
+    # As PrefillAdder.add_one_req records a scheduled prefill (0.5.13
+    # schedule_policy.py: fill_len, then set_extend_input_len).
+    req.fill_len = end
+    req.set_extend_input_len(end - start)
+
+
+def sparse_config(config):
+    """0.5.13's SparseConfig has no swap_in_block_size field: it travels in
+    sparse_extra_config (our coordinator reads it from the server args)."""
+    from sglang.srt.mem_cache.sparsity.core.sparse_coordinator import SparseConfig
+
+    return SparseConfig(
+        top_k=config.top_k,
+        device_buffer_size=config.device_buffer_size,
+        host_to_device_ratio=config.host_to_device_ratio,
+        sparse_extra_config={"swap_in_block_size": config.swap_in_block_size},
+    )
+
+
+def native_max_token_pool_size(model_runner) -> int:
+    # 0.5.13 model_runner.py:2204-2210.
+    if model_runner.is_hybrid_swa:
+        return model_runner.full_max_total_num_tokens
+    return model_runner.max_total_num_tokens
+
+
+# REPLACE of hisparse_hook.apply_hisparse_dsa_backend_defaults(server_args,
+# user_set_prefill, user_set_decode, kv_cache_dtype) -> bool.
+dsa_backend_defaults = apply_hisparse_dsa_backend_defaults

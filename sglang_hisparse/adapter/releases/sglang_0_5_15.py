@@ -1,0 +1,57 @@
+"""SGLang 0.5.15.post1.
+
+What changed from 0.5.13 for us (read from the release's source):
+
+* ``Req.fill_len`` is gone: a scheduled prefill is ``Req.extend_range``
+  (``Range(start, end)``, set by ``Req.set_extend_range``), and the
+  release's own coordinator reads ``req.extend_range.end`` where 0.5.13
+  read ``fill_len``;
+* ``SparseConfig`` has a ``swap_in_block_size`` field, which
+  ``ModelRunner.alloc_memory_pool`` passes to the coordinator's constructor;
+* the DSA backend defaults moved into the argument resolution pipeline:
+  ``arg_groups/overrides.py:_dsa_split_backend_resolution`` asks
+  ``hisparse_hook._hisparse_default_backend(kv_cache_dtype)`` for one backend
+  and sets it for whichever of prefill/decode the user left unset;
+* ``ModelRunner.max_token_pool_size`` falls back to the SWA size when a
+  hybrid-SWA model has no full pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from sglang_hisparse.adapter.releases import sglang_0_5_13
+from sglang_hisparse.dsa_backends import dsa_backend_for
+
+
+def prefill_len(req) -> int:
+    return req.extend_range.end
+
+
+def set_prefill_range(req, start: int, end: int) -> None:
+    # As PrefillAdder.add_one_req records a scheduled prefill (0.5.15.post1).
+    req.set_extend_range(start, end)
+
+
+def sparse_config(config):
+    """0.5.13's SparseConfig (swap_in_block_size in sparse_extra_config) with
+    the field set too: None unless configured, and our coordinator resolves
+    None to the configured (or the kernel's default) block size."""
+    return dataclasses.replace(sglang_0_5_13.sparse_config(config),
+                               swap_in_block_size=config.swap_in_block_size)
+
+
+def native_max_token_pool_size(model_runner) -> int:
+    # 0.5.15.post1 model_runner.py:2389-2395.
+    if model_runner.is_hybrid_swa:
+        return model_runner.full_max_total_num_tokens or model_runner.swa_max_total_num_tokens
+    return model_runner.max_total_num_tokens
+
+
+def dsa_backend_defaults(kv_cache_dtype: str):
+    """REPLACE of ``hisparse_hook._hisparse_default_backend``: the backend
+    from our table (:mod:`sglang_hisparse.dsa_backends`, the one
+    validate_hisparse checks against). An unsupported dtype gets None, so the
+    backends stay unset and validation names the dtype (the release would
+    pick flashmla_sparse for it)."""
+    return dsa_backend_for(kv_cache_dtype)
