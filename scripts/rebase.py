@@ -26,7 +26,7 @@ download`` wheel unzipped). For every manifest entry this prints one of:
             since the pin was written; its hash is taken from DIR. Also an
             entry whose target first exists in DIR (``since``): the old
             release has none to compare with
-  n/a       an entry whose target the release does not have yet (``since``)
+  n/a       an entry whose target the release does not have (``since``, ``until``)
   gone      a DEPENDS target vanished: the same, and the entry is retargeted
   moved     a target a person placed elsewhere in the new release with
             ``--moved TARGET=NEW`` (review and gone lines list candidates:
@@ -212,7 +212,7 @@ def rebase(root: Path, write: bool, accept: tuple[str, ...] = (), out: Path | No
             print(f"  drop     {e.target} (native in {e.native_in})")
             continue
         if not e.applies_to(new):
-            print(f"  n/a      {e.target} (from sglang {e.since})")
+            print(f"  n/a      {e.target} (sglang {e.releases})")
             continue
         where_old = pins.release_target(e.target, old)
         where = moved.pop(e.target, where_old)

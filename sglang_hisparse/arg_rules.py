@@ -82,7 +82,7 @@ class SpeculativeArgs:
     adaptive: bool  # --speculative-adaptive
     multi_layer_eagle: bool  # --enable-multi-layer-eagle
     overlap_schedule: bool  # not --disable-overlap-schedule
-    spec_v2: bool  # SGLANG_ENABLE_SPEC_V2
+    spec_v2: bool  # the V2 worker (0.5.13: SGLANG_ENABLE_SPEC_V2; always from 0.5.15)
     overlap_plan_stream: bool  # SGLANG_ENABLE_OVERLAP_PLAN_STREAM
     page_size: int  # --page-size (SGLang forces 64 on DSA models)
 

@@ -118,6 +118,10 @@ class Entry:
     # them). Pins of earlier releases do not hash it and nothing checks it
     # there: a seam a later release added (0.5.15's Scheduler.release_host_resources).
     since: str | None = None
+    # The last pinned release whose source has the target (None: every one
+    # from ``since`` on); later pins do not hash it: a seam a release
+    # reshaped, which that release's own entry takes over.
+    until: str | None = None
 
     def __post_init__(self):
         if self.sha256 is None:
@@ -129,7 +133,15 @@ class Entry:
 
     def applies_to(self, version: str) -> bool:
         """Whether the release ``version`` has this entry's target."""
-        return self.since is None or pins.version_key(version) >= pins.version_key(self.since)
+        key = pins.version_key(version)
+        return ((self.since is None or key >= pins.version_key(self.since))
+                and (self.until is None or key <= pins.version_key(self.until)))
+
+    @property
+    def releases(self) -> str:
+        """The releases it applies to, for messages ("from 0.5.15.post1")."""
+        return " ".join(filter(None, (self.since and f"from {self.since}",
+                                      self.until and f"up to {self.until}"))) or "all"
 
 
 _SCHED = "sglang.srt.managers.scheduler.Scheduler"
@@ -588,7 +600,10 @@ HOOKS: tuple[Entry, ...] = (
         scope=Scope.DATA_PLANE,
         removal="keep while the data plane is ours",
         process=Process.SCHEDULER,
-        tests=("tests/test_verify_step.py",),
+        tests=("tests/test_verify_step.py", "tests/test_soak.py"),
+        # 0.5.15 made it a module function, speculative.eagle_utils.
+        # eagle_prepare_for_decode(batch): its entry comes with the MTP wiring.
+        until="0.5.13.post1",
     ),
     # --- the native comparison mode (SGLANG_HISPARSE_NATIVE=1) only.
     Entry(

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from test_verify_step import needs_spec_reserve_seam
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "soak.py"
 
 
@@ -61,6 +63,7 @@ def test_soak_pd_decode_retracts_to_host_and_resumes(capsys):
     assert not _never_zero(counts, ("transferred", "retract", "resumed", "abort_retracted")), counts
 
 
+@needs_spec_reserve_seam  # the soak's verify steps reserve through it
 @pytest.mark.parametrize("draft_tokens,seed", [(4, 1)])
 def test_soak_speculative_verify_steps(capsys, draft_tokens, seed):
     # MTP/EAGLE: reserve through 0.5.13's prepare_for_decode in our hook,

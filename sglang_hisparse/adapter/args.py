@@ -100,6 +100,8 @@ def speculative_args(server_args) -> SpeculativeArgs | None:
     steps / top-k / draft tokens before ``check_server_args`` runs)."""
     from sglang.srt.environ import envs
 
+    from sglang_hisparse.adapter import releases
+
     algorithm = server_args.speculative_algorithm
     if algorithm is None or algorithm.upper() == "NONE":
         return None
@@ -111,7 +113,7 @@ def speculative_args(server_args) -> SpeculativeArgs | None:
         adaptive=bool(server_args.speculative_adaptive),
         multi_layer_eagle=bool(server_args.enable_multi_layer_eagle),
         overlap_schedule=not server_args.disable_overlap_schedule,
-        spec_v2=bool(envs.SGLANG_ENABLE_SPEC_V2.get()),
+        spec_v2=releases.current.speculative_v2_worker(),
         overlap_plan_stream=bool(envs.SGLANG_ENABLE_OVERLAP_PLAN_STREAM.get()),
         page_size=int(server_args.page_size or 1),
     )

@@ -18,7 +18,9 @@ Every module offers the same names:
 * ``native_max_token_pool_size(model_runner)`` - the release's own
   ``ModelRunner.max_token_pool_size`` (what ours falls back to);
 * ``dsa_backend_defaults`` - the hook installed over the release's HiSparse
-  DSA backend defaults (manifest entry ``apply_hisparse_dsa_backend_defaults``).
+  DSA backend defaults (manifest entry ``apply_hisparse_dsa_backend_defaults``);
+* ``speculative_v2_worker()`` - whether speculative decoding runs the V2
+  (FutureMap) worker.
 """
 
 from __future__ import annotations

@@ -40,3 +40,10 @@ def native_max_token_pool_size(model_runner) -> int:
 # REPLACE of hisparse_hook.apply_hisparse_dsa_backend_defaults(server_args,
 # user_set_prefill, user_set_decode, kv_cache_dtype) -> bool.
 dsa_backend_defaults = apply_hisparse_dsa_backend_defaults
+
+
+def speculative_v2_worker() -> bool:
+    # SGLANG_ENABLE_SPEC_V2 (default on) picks the V2 worker; 0 is spec v1.
+    from sglang.srt.environ import envs
+
+    return bool(envs.SGLANG_ENABLE_SPEC_V2.get())

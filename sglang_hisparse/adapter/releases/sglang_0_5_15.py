@@ -55,3 +55,9 @@ def dsa_backend_defaults(kv_cache_dtype: str):
     backends stay unset and validation names the dtype (the release would
     pick flashmla_sparse for it)."""
     return dsa_backend_for(kv_cache_dtype)
+
+
+def speculative_v2_worker() -> bool:
+    # SGLANG_ENABLE_SPEC_V2 is gone: speculative decoding always runs the V2
+    # worker (0.5.15.post1 arg_groups/speculative_hook.py:73-80).
+    return True
