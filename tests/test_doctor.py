@@ -34,7 +34,7 @@ def test_doctor_on_pinned_release_passes():
     assert f"{len(entries)} of {len(entries)} entries OK" in out
     # Each hook says what it installs, why and when it goes away.
     blocks = out.split("\n  OK   ")[1:]
-    for entry, block in zip(HOOKS, blocks):
+    for entry, block in zip(entries_of(sglang_version(), HOOKS), blocks):
         assert block.startswith(f"{entry.kind.value:<12}"), block
         assert "\n       impl      " in block and "\n       why       " in block
         assert "\n       removal   " in block

@@ -57,13 +57,15 @@ def test_load_plugins_activates_once_and_is_idempotent():
     # Every hook of this mode is registered with SGLang (beside other
     # installed plugins' hooks), none of the native comparison's; DEPENDS
     # entries install nothing.
-    from sglang_hisparse.manifest import DEPENDS, HOOKS, Kind, Scope
+    from sglang_hisparse.manifest import DEPENDS, HOOKS, Kind, Scope, entries_of
 
     from sglang_hisparse import pins
 
-    # (where the installed release keeps each target: its pin records moves)
+    # (where the installed release keeps each target: its pin records moves;
+    # only the hooks the release has: ``since``/``until``)
     ours = {pins.release_target(e.target, sglang_version())
-            for e in HOOKS if e.kind is not Kind.PROPERTY and e.scope is not Scope.NATIVE}
+            for e in entries_of(sglang_version(), HOOKS)
+            if e.kind is not Kind.PROPERTY and e.scope is not Scope.NATIVE}
     assert ours <= set(res["registered"])
     assert not {e.target for e in HOOKS if e.scope is Scope.NATIVE} & set(res["registered"])
     assert not {e.target for e in DEPENDS} & set(res["registered"])

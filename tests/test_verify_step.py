@@ -173,3 +173,37 @@ def test_the_spec_reserve_takes_logical_slots_only(hooked):
         assert env.alloc.physical_available_size() == physical and mapped == 0
     else:
         assert env.alloc.physical_available_size() < physical and mapped == new.numel()
+
+
+def test_a_request_without_host_rows_is_not_written_back(monkeypatch):
+    """Admission drifted and the host pool has no page for one request's
+    verify positions: map_slots reports the drift and leaves it unmapped, and
+    commit writes back only the requests it mapped."""
+    env = Env(phys=2048, draft_tokens=N)
+    a, b = env.staged("a", 320), env.staged("b", 200)
+    env.coord.collect_ready_reqs()
+    drifted = []
+    env.coord.on_drift = lambda req, why: drifted.append((req.rid, why))
+    host = env.coord.mem_pool_host
+    real = type(host).try_alloc_paged_token_slots
+
+    def no_page_for_a(self, table, lens, idx, start, count):
+        return None if idx == a.req_pool_idx else real(self, table, lens, idx, start, count)
+
+    monkeypatch.setattr(type(host), "try_alloc_paged_token_slots", no_page_for_a)
+    for r, s in ((a, 320), (b, 200)):
+        reserve(env, r, s + N)
+    locs = torch.stack([env.r2t.req_to_token[r.req_pool_idx, s:s + N].to(torch.int64)
+                        for r, s in ((a, 320), (b, 200))])
+    rpi = [a.req_pool_idx, b.req_pool_idx]
+    env.coord.verify.map_slots(rpi, [320, 200], locs)
+    assert [rid for rid, _ in drifted] == ["a"] and "verify rows" in drifted[0][1]
+    assert int((env.alloc.translate_to_physical(locs[0]) != 0).sum()) == 0
+    written = env.coord.host_bytes_written
+    env.coord.verify.commit(rpi, [320, 200], locs)
+    assert env.coord.host_bytes_written - written == N * env.coord.item_size_bytes * 2
+    monkeypatch.undo()
+    with speculative_server_args():
+        env.finish(a)
+        env.finish(b)
+    assert env.drained()

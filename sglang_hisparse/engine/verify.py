@@ -56,6 +56,10 @@ class VerifyStep:
         self.coord = coord
         self.draft_tokens = draft_tokens
         self._offsets = torch.arange(draft_tokens, dtype=torch.int64, device=coord.device)
+        # The step in flight: request slot -> committed length of the
+        # requests map_slots mapped (commit writes those back, no others: a
+        # request that got no host rows has none to write to).
+        self._mapped: dict[int, int] = {}
 
     def _hot_rows(self, req_pool_indices: Sequence[int]) -> List[int]:
         """Batch rows of the requests that decode from a hot buffer."""
@@ -83,6 +87,7 @@ class VerifyStep:
         if c.exactness is not None and not c.exactness.armed:
             c.exactness.arm()  # graph capture is over (decode arms it in map_last_loc_to_buffer)
         c.streams.wait_for_pending_backup()  # the last commit still reads these slots
+        self._mapped = {}
         picks = self._hot_rows(req_pool_indices)
         B = c.device_buffer_size
         short = [(int(committed[b]) + n, int(req_pool_indices[b])) for b in picks
@@ -98,6 +103,7 @@ class VerifyStep:
                 c._drift(c.requests.record(idx).req, "host pool exhausted for verify rows")
                 continue
             kept.append(b)
+            self._mapped[idx] = seq
         if not kept:
             return
         idx, seq, slots = self._slots(kept, req_pool_indices, committed)
@@ -114,7 +120,10 @@ class VerifyStep:
         """After the verify forward (queued in stream order; no sync): all
         ``n`` positions through to host, the verify slots unmapped."""
         c, n = self.coord, self.draft_tokens
-        picks = self._hot_rows(req_pool_indices)
+        mapped = self._mapped
+        picks = [b for b in self._hot_rows(req_pool_indices)
+                 if mapped.get(int(req_pool_indices[b])) == int(committed[b])]
+        self._mapped = {}
         if not picks:
             return
         idx, seq, slots = self._slots(picks, req_pool_indices, committed)
