@@ -384,6 +384,8 @@ class Sim:
 
     def verify(self):
         """One speculative step (see the module docstring)."""
+        from dataplane_fixtures import verify_locs
+
         n = self.draft_tokens
         batch = self.fit([r for r in self.running if r.sim_len + 2 * n + 1 < self.max_ctx],
                          self.reserve_need)
@@ -392,8 +394,7 @@ class Sim:
         self.reserve_speculative(batch)
         rpi = [r.req_pool_idx for r in batch]
         committed = [r.sim_len for r in batch]
-        locs = torch.stack([self.r2t.req_to_token[r.req_pool_idx, s:s + n].to(torch.int64)
-                            for r, s in zip(batch, committed)])
+        locs = verify_locs(self.r2t, batch, committed, n)
         self.coord.verify.map_slots(rpi, committed, locs)
         with self.forward():
             self.coord.wait_for_pending_backup()
@@ -440,6 +441,8 @@ class Sim:
 
     def abort_in_verify(self):
         """Finish or abort a running request between map_slots and commit."""
+        from dataplane_fixtures import verify_locs
+
         if not self.running:
             return
         req = self.running[self.rng.randrange(len(self.running))]
@@ -447,7 +450,7 @@ class Sim:
         if s + 2 * n + 1 >= self.max_ctx or self.alloc.available_size() < self.reserve_need([req]):
             return
         self.reserve_speculative([req])
-        locs = self.r2t.req_to_token[req.req_pool_idx, s:s + n].to(torch.int64).view(1, n)
+        locs = verify_locs(self.r2t, [req], [s], n)
         self.coord.verify.map_slots([req.req_pool_idx], [s], locs)
         self.running.remove(req)
         self.coord.request_finished(req)

@@ -76,7 +76,6 @@ class SpeculativeArgs:
     defaults for DeepSeek-V3.2 are 3 steps, top-k 1, 4 draft tokens)."""
 
     algorithm: str  # --speculative-algorithm as given (NEXTN is SGLang's alias of EAGLE)
-    num_steps: int | None
     eagle_topk: int | None
     num_draft_tokens: int | None
     adaptive: bool  # --speculative-adaptive

@@ -121,7 +121,7 @@ def run_doctor(root: Path | None, out=sys.stdout, verbose: bool = False) -> int:
         file=out,
     )
     failures = {"hooks": 0, "dependencies": 0}
-    # Only the entries whose target the compared release has (``since``).
+    # Only the entries whose target the compared release has (``since``/``until``).
     hooks, depends = entries_of(ref, HOOKS), entries_of(ref, DEPENDS)
     for title, key, entries in (
         ("installed (hooks and patches)", "hooks", hooks),

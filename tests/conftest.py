@@ -62,30 +62,20 @@ def run_python(code: str, env: dict | None = None, timeout: int = 300):
     return proc
 
 
-# Other SGLang releases, installed once per session (tests/releases.py).
-@pytest.fixture(scope="session")
-def sglang_0_5_15(tmp_path_factory):
-    from releases import sglang_release
+# Other SGLang releases, installed once per session (tests/releases.py):
+# a fixture per release, named sglang_<version with dots as underscores>.
+def _release_fixture(version: str):
+    def fixture(tmp_path_factory):
+        from releases import sglang_release
 
-    return sglang_release(tmp_path_factory, "0.5.15")
+        return sglang_release(tmp_path_factory, version)
 
-
-@pytest.fixture(scope="session")
-def sglang_0_5_13_post1(tmp_path_factory):
-    from releases import sglang_release
-
-    return sglang_release(tmp_path_factory, "0.5.13.post1")
+    fixture.__name__ = "sglang_" + version.replace(".", "_")
+    fixture.__doc__ = f"sglang {version}, downloaded and unpacked once per session."
+    return pytest.fixture(scope="session")(fixture)
 
 
-@pytest.fixture(scope="session")
-def sglang_0_5_15_post1(tmp_path_factory):
-    from releases import sglang_release
-
-    return sglang_release(tmp_path_factory, "0.5.15.post1")
-
-
-@pytest.fixture(scope="session")
-def sglang_0_5_17(tmp_path_factory):
-    from releases import sglang_release
-
-    return sglang_release(tmp_path_factory, "0.5.17")
+sglang_0_5_13_post1 = _release_fixture("0.5.13.post1")
+sglang_0_5_15 = _release_fixture("0.5.15")
+sglang_0_5_15_post1 = _release_fixture("0.5.15.post1")
+sglang_0_5_17 = _release_fixture("0.5.17")

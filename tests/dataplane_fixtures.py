@@ -193,6 +193,14 @@ def decode_step(r2t, alloc, coord, reqs, device="cpu"):
     return batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc
 
 
+def verify_locs(r2t, reqs, committed, n):
+    """The logical slots a verify step writes: positions ``S .. S + n - 1``
+    of each request, from req_to_token ([len(reqs), n] int64, request-major
+    as 0.5.13's verify ``out_cache_loc``)."""
+    return torch.stack([r2t.req_to_token[r.req_pool_idx, s:s + n].to(torch.int64)
+                        for r, s in zip(reqs, committed)])
+
+
 def release(r2t, alloc, req):
     """0.5.13 ``release_kv_cache`` through a ChunkCache (no radix cache): the
     request's KV slots and its request slot."""

@@ -406,7 +406,7 @@ def test_the_buffer_under_speculation_defaults_to_one_top_k_past_the_rows():
 
     from sglang_hisparse.arg_rules import SpeculativeArgs, find_problems
 
-    spec = SpeculativeArgs(algorithm="EAGLE", num_steps=3, eagle_topk=1, num_draft_tokens=4,
+    spec = SpeculativeArgs(algorithm="EAGLE", eagle_topk=1, num_draft_tokens=4,
                            adaptive=False, multi_layer_eagle=False, overlap_schedule=True,
                            spec_v2=True, overlap_plan_stream=True, page_size=64)
     problems, config = find_problems(_dsa_args(speculative=spec))

@@ -37,7 +37,6 @@ def run_rank(rank: int, world: int, init_file: str, grouped: bool) -> dict:
     import torch.distributed as dist
 
     from sglang_hisparse.engine.policies.parking import PrefillDemand
-    from sglang_hisparse.engine.state import ReqState
     from test_coordinator import Env
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
@@ -73,7 +72,7 @@ def run_rank(rank: int, world: int, init_file: str, grouped: bool) -> dict:
             env.finish(running.pop(rid))
         steps.append(dict(
             joined=sorted(r.rid for r in joined),
-            parked=sorted(r.rid for r in coord.requests.in_state(ReqState.PARKED)),
+            parked=sorted(r.rid for r in coord.parked_requests()),
             copying=copying, collectives=collectives[0] - before))
     for req in list(running.values()):
         env.finish(req)

@@ -17,7 +17,9 @@ import random
 import pytest
 import torch
 
-from dataplane_fixtures import decode_batch, get_tag, put_tag, speculative_server_args, t64
+from dataplane_fixtures import (
+    decode_batch, get_tag, put_tag, speculative_server_args, t64, verify_locs,
+)
 from test_coordinator import TOPK, Env
 
 N = 4  # draft tokens: 3 steps, top-k 1
@@ -53,14 +55,18 @@ def reserve(env, req, upto):
     req.kv_allocated_len = upto
 
 
+def reserved_verify_locs(env, reqs, committed):
+    """The spec reserve for every request, then the step's verify slots."""
+    for r, s in zip(reqs, committed):
+        reserve(env, r, s + N)
+    return verify_locs(env.r2t, reqs, committed, N)
+
+
 def verify_step(env, reqs, committed, gen, accept=None):
     """One verify step; returns the new committed lengths."""
     coord, n = env.coord, N
     rpi = [r.req_pool_idx for r in reqs]
-    for r, s in zip(reqs, committed):
-        reserve(env, r, s + n)
-    locs = torch.stack([env.r2t.req_to_token[r.req_pool_idx, s:s + n].to(torch.int64)
-                        for r, s in zip(reqs, committed)])
+    locs = reserved_verify_locs(env, reqs, committed)
     coord.verify.map_slots(rpi, committed, locs)
     rows = env.alloc.translate_to_physical(locs.reshape(-1))
     assert bool((rows > 0).all()), "a verify slot is unmapped"
@@ -123,10 +129,7 @@ def test_finish_or_abort_mid_step_returns_everything(when):
     a, b = env.staged("a", 200), env.staged("b", 90)
     env.coord.collect_ready_reqs()
     committed = verify_step(env, [a, b], [200, 90], gen)
-    for r, s in zip((a, b), committed):
-        reserve(env, r, s + N)
-    locs = torch.stack([env.r2t.req_to_token[r.req_pool_idx, s:s + N].to(torch.int64)
-                        for r, s in zip((a, b), committed)])
+    locs = reserved_verify_locs(env, (a, b), committed)
     env.coord.verify.map_slots([a.req_pool_idx, b.req_pool_idx], committed, locs)
     if when == "after_commit":
         env.coord.verify.commit([a.req_pool_idx, b.req_pool_idx], committed, locs)
@@ -191,10 +194,7 @@ def test_a_request_without_host_rows_is_not_written_back(monkeypatch):
         return None if idx == a.req_pool_idx else real(self, table, lens, idx, start, count)
 
     monkeypatch.setattr(type(host), "try_alloc_paged_token_slots", no_page_for_a)
-    for r, s in ((a, 320), (b, 200)):
-        reserve(env, r, s + N)
-    locs = torch.stack([env.r2t.req_to_token[r.req_pool_idx, s:s + N].to(torch.int64)
-                        for r, s in ((a, 320), (b, 200))])
+    locs = reserved_verify_locs(env, (a, b), (320, 200))
     rpi = [a.req_pool_idx, b.req_pool_idx]
     env.coord.verify.map_slots(rpi, [320, 200], locs)
     assert [rid for rid, _ in drifted] == ["a"] and "verify rows" in drifted[0][1]

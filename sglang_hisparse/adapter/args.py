@@ -107,7 +107,6 @@ def speculative_args(server_args) -> SpeculativeArgs | None:
         return None
     return SpeculativeArgs(
         algorithm=algorithm,
-        num_steps=server_args.speculative_num_steps,
         eagle_topk=server_args.speculative_eagle_topk,
         num_draft_tokens=server_args.speculative_num_draft_tokens,
         adaptive=bool(server_args.speculative_adaptive),

@@ -703,7 +703,7 @@ class Coordinator:
         if self.exactness is not None:
             self.exactness.after_swap_in(
                 top_k_result, out, req_pool_indices, compressed_seq_lens, layer_id,
-                host_kv, device_kv, layout)
+                host_kv, device_kv, layout, draft_tokens)
         return out
 
     def _host_rows(self, layer_id: int) -> torch.Tensor:

@@ -58,7 +58,7 @@ class ExactnessCheck:
         self.armed = True
 
     def after_swap_in(self, top_k_tokens, out, req_pool_indices, seq_lens, layer_id,
-                      host_kv, device_kv, layout) -> None:
+                      host_kv, device_kv, layout, draft_tokens: int = 1) -> None:
         coord = self.coord
         extra = {}
         if layout == "rows":
@@ -72,7 +72,7 @@ class ExactnessCheck:
             host_locs=coord.req_to_host_pool, host_kv=host_kv, device_kv=device_kv,
             hot_buffer_size=coord.device_buffer_size, layer_id=layer_id,
             counters=self.counters, first=self.first, layout=layout,
-            draft_tokens=top_k_tokens.size(0) // max(req_pool_indices.size(0), 1) or 1,
+            draft_tokens=draft_tokens,
             **extra)
 
     def read(self) -> dict:
