@@ -29,6 +29,7 @@ Usage:
   python scripts/bench_kernels.py [--quick] [--json OUT] [--breakdown]
                                   [--upstream-0523 DIR] [--blocks-per-req N]
                                   [--hash-scale S,S,.. [--hash-scale-only]]
+  python scripts/bench_kernels.py --verify [2,4]   # speculative verify rows only
 """
 
 from __future__ import annotations
@@ -443,6 +444,181 @@ def same_state(world: World, ours_fn, up_fn, out_a, out_b) -> str:
     return "ok" if not bad else "MISMATCH " + ",".join(bad)
 
 
+class VerifyWorld:
+    """A speculative verify step's inputs (--verify): ``n`` rows per request,
+    hot buffer (n + 1) x TOP_K (the config's default under speculation).
+
+    Each request has committed SEQ - 1 tokens plus the step's first token
+    (as the decode bench: the newest position SEQ - 1 at slot B); the verify
+    forward has written its n tokens at slots B .. B + n - 1, positions
+    SEQ - 1 .. SEQ + n - 2, and row j (length SEQ + j) selects position
+    SEQ - 1 + j, keeps ``overlap`` of row 0's other entries and redraws the
+    rest with the same hit/miss mix."""
+
+    def __init__(self, n: int, max_bs: int, host_kv: torch.Tensor, seed: int = 0, overlap: float = 0.8):
+        gen = torch.Generator().manual_seed(seed)
+        self.n, self.hot, self.max_bs, self.overlap, self.gen = n, (n + 1) * TOP_K, max_bs, overlap, gen
+        width = self.hot + PAGE
+        self.host_kv = host_kv
+        self.device_kv = torch.empty((max_bs * width, ITEM), dtype=torch.uint8, device="cuda")
+        self.slot_locs = torch.randperm(max_bs * width, generator=gen).to(torch.int32).reshape(max_bs, width).cuda()
+        self.host_locs = torch.randint(0, host_kv.shape[0], (max_bs, SEQ + n), generator=gen).cuda()
+        st = torch.full((max_bs, width), -1, dtype=torch.int32)
+        self.resident, self.absent = [], []
+        for r in range(max_bs):
+            perm = torch.randperm(SEQ - 1, generator=gen)
+            st[r, :self.hot] = perm[:self.hot].to(torch.int32)
+            st[r, self.hot:self.hot + n] = torch.arange(SEQ - 1, SEQ - 1 + n, dtype=torch.int32)
+            self.resident.append(perm[:self.hot])
+            self.absent.append(perm[self.hot:])
+        self.slot_tokens0 = st.cuda()
+        # Resident slots hold their tokens' bytes (rows_served checks hits too).
+        for r in range(max_bs):
+            filled = st[r] >= 0
+            locs = self.host_locs[r].cpu()[st[r][filled].long()]
+            self.device_kv[self.slot_locs[r].cpu()[filled].long()] = host_kv[locs].to(self.device_kv.device)
+        self.lru0 = torch.stack([torch.randperm(self.hot, generator=gen)
+                                 for _ in range(max_bs)]).to(torch.int16).cuda()
+        self.slot_tokens, self.lru = self.slot_tokens0.clone(), self.lru0.clone()
+        self.tally = torch.zeros(2, dtype=torch.int64, device="cuda")
+        self.miss_src = torch.zeros((max_bs, n * TOP_K), dtype=torch.int64, device="cuda")
+        self.miss_dst = torch.zeros((max_bs, n * TOP_K), dtype=torch.int32, device="cuda")
+        self.miss_count = torch.zeros(max_bs, dtype=torch.int32, device="cuda")
+
+    def restore(self) -> None:
+        self.slot_tokens.copy_(self.slot_tokens0)
+        self.lru.copy_(self.lru0)
+
+    def _draw(self, r: int, k: int, miss: float) -> torch.Tensor:
+        n_miss = round(miss * k)
+        hits = self.resident[r][torch.randperm(self.hot, generator=self.gen)[: k - n_miss]]
+        misses = self.absent[r][torch.randperm(self.absent[r].numel(), generator=self.gen)[:n_miss]]
+        return torch.cat([hits, misses])
+
+    def top_k(self, bs: int, miss: float) -> torch.Tensor:
+        rows = []
+        for r in range(bs):
+            first = self._draw(r, TOP_K - 1, miss)
+            for j in range(self.n):
+                row = first.clone()
+                redraw = torch.rand(row.numel(), generator=self.gen) > (1.0 if j == 0 else self.overlap)
+                # Redrawn entries differ from the kept ones: a top-k row has distinct positions.
+                fresh = torch.empty(0, dtype=row.dtype)
+                while fresh.numel() < int(redraw.sum()):
+                    cand = self._draw(r, TOP_K, miss)
+                    cand = cand[~torch.isin(cand, torch.cat([row[~redraw], fresh]))]
+                    fresh = torch.cat([fresh, cand])
+                row[redraw] = fresh[: int(redraw.sum())]
+                row = torch.cat([row, torch.tensor([SEQ - 1 + j])])
+                rows.append(row[torch.randperm(TOP_K, generator=self.gen)])
+        return torch.stack(rows).to(torch.int32).cuda()
+
+    def inputs(self, bs: int):
+        n = self.n
+        return (torch.arange(bs, dtype=torch.int64, device="cuda"),
+                torch.tensor([SEQ + j for _ in range(bs) for j in range(n)], dtype=torch.int64, device="cuda"),
+                torch.tensor([bs], dtype=torch.int32, device="cuda"),
+                torch.empty((bs * n, TOP_K), dtype=torch.int32, device="cuda"))
+
+    def call(self, top_k, reqs, seq_lens, num_real, out, **kw):
+        from sglang_hisparse.kernels.bench import swap_in_bench
+
+        def call():
+            swap_in_bench(top_k, reqs, seq_lens, num_real, self.slot_tokens, self.slot_locs, self.lru,
+                          self.host_locs, self.host_kv, self.device_kv, out, tally=self.tally,
+                          draft_tokens=self.n, **kw)
+
+        return call
+
+    def gather(self, top_k, reqs, seq_lens, num_real, out):
+        from sglang_hisparse.kernels.copy_planned import copy_planned
+
+        bs = reqs.numel()
+        self.restore()
+        self.call(top_k, reqs, seq_lens, num_real, out, miss_src=self.miss_src[:bs],
+                  miss_dst=self.miss_dst[:bs], miss_count=self.miss_count[:bs])()
+        torch.cuda.synchronize()
+        moved = int(self.miss_count[:bs].sum())
+
+        def call():
+            copy_planned(self.miss_src[:bs], self.miss_dst[:bs], self.miss_count[:bs], num_real,
+                         self.host_kv, self.device_kv)
+
+        return call, moved
+
+
+def verify_points(timer: Timer, ceiling: float, ndts, batches, misses, host_kv) -> list[dict]:
+    """--verify: what a verify step's swap-in costs per layer, per draft-token
+    count: the union call (n rows per request), the same call with its host
+    copies skipped, the gather floor for the rows it moved, and the decode
+    call (one row, same B) for scale. Every n > 1 point also checks that
+    each row's output serves the right bytes."""
+    from sglang_hisparse.kernels.bench import compile_bench_variants
+
+    for n in ndts:
+        compile_bench_variants(TOP_K, (n + 1) * TOP_K, ITEM, jobs=[
+            dict(draft_tokens=(1, n)), dict(draft_tokens=(n,), skip_io=(True,)),
+            dict(draft_tokens=(n,), record_plan=(True,), copy_planned=True)])
+    rows = []
+    log(f"{'ndt':>3} {'B':>6} {'bs':>3} {'miss':>5} {'moved':>7} {'bound':>8} {'verify':>8} {'noIO':>8} "
+        f"{'gather':>8} {'decode':>8} {'v/gth':>6} {'v/dec':>6} rows")
+    for n in ndts:
+        world = VerifyWorld(n, max(batches), host_kv)
+        for bs in batches:
+            reqs, seq_lens, num_real, out = world.inputs(bs)
+            one = batch_inputs(bs)
+            for miss in misses:
+                top_k = world.top_k(bs, miss)
+                t_v, _ = timer.median_us(world.call(top_k, reqs, seq_lens, num_real, out), world.restore)
+                t_noio, _ = timer.median_us(
+                    world.call(top_k, reqs, seq_lens, num_real, out, skip_io=True), world.restore)
+                gather_call, moved = world.gather(top_k, reqs, seq_lens, num_real, out)
+                t_g = timer.median_us(gather_call, world.restore)[0] if moved else None
+                # The decode call on the same buffers: row 0 of each request.
+                t_d, _ = timer.median_us(world_decode(world, top_k, one), world.restore)
+                world.restore()
+                world.call(top_k, reqs, seq_lens, num_real, out)()
+                served = rows_served(world, top_k, seq_lens, out, bs)
+                bound = max(moved * ITEM / (ceiling * 1e9) * 1e6, MIN_BOUND_US)
+                log(f"{n:>3} {world.hot:>6} {bs:>3} {miss * 100:>4.0f}% {moved:>7} {bound:>8.1f} {t_v:>8.1f} "
+                    f"{t_noio:>8.1f} {(f'{t_g:8.1f}' if t_g else '       -')} {t_d:>8.1f} "
+                    f"{(f'{t_v / t_g:6.2f}' if t_g else '     -')} {t_v / t_d:>6.2f} {served}")
+                rows.append(dict(draft_tokens=n, hot_buffer=world.hot, batch=bs, miss=miss, moved_rows=moved,
+                                 bound_us=bound, verify_us=t_v, verify_skip_io_us=t_noio, gather_us=t_g,
+                                 decode_us=t_d, rows_served=served))
+        del world
+        torch.cuda.empty_cache()
+    return rows
+
+
+def world_decode(world: VerifyWorld, top_k, one):
+    from sglang_hisparse.kernels.bench import swap_in_bench
+
+    reqs, seq_lens, num_real, out, _ = one
+    first = top_k.view(-1, world.n, TOP_K)[:, 0].contiguous()
+
+    def call():
+        swap_in_bench(first, reqs, seq_lens, num_real, world.slot_tokens, world.slot_locs, world.lru,
+                      world.host_locs, world.host_kv, world.device_kv, out, tally=world.tally)
+
+    return call
+
+
+def rows_served(world: VerifyWorld, top_k, seq_lens, out, bs: int) -> str:
+    """Every valid entry of every row reads its host bytes."""
+    torch.cuda.synchronize()
+    n = world.n
+    bad = 0
+    for b in range(bs * n):
+        r = b // n
+        toks = top_k[b].long()
+        valid = (toks >= 0) & (toks < seq_lens[b])
+        want = world.host_kv[world.host_locs[r, toks[valid]].cpu()]
+        got = world.device_kv[out[b][valid].long()].cpu()
+        bad += int((want != got).any(1).sum())
+    return "ok" if bad == 0 else f"MISMATCH {bad} entries"
+
+
 def trace_miss_rates(spec: str) -> int:
     """The calibration cross-check: the swap-in kernel's own tally on the
     synthetic trace (100 warm-up and 200 counted decode steps of one request,
@@ -476,6 +652,9 @@ def main(argv=None) -> int:
                     help="only print the miss rate a synthetic top-k trace (SGLANG_HISPARSE_SYNTHETIC_TOPK "
                          "spec, default calibrated) gets from the kernel at 16K/32K/64K contexts, "
                          "beside the torch reference's")
+    ap.add_argument("--verify", metavar="N,N,..", nargs="?", const="2,4",
+                    help="only time speculative verify calls (N draft tokens per request, one union, "
+                         "hot buffer (N + 1) x top_k), beside the gather floor and the decode call")
     args = ap.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -493,6 +672,16 @@ def main(argv=None) -> int:
     log(f"device: {dev.name}, {dev.multi_processor_count} SMs; torch {torch.__version__}")
     ceiling = h2d_ceiling_gbps()
     log(f"pinned H2D ceiling (cudaMemcpyAsync, 512 MiB): {ceiling:.1f} GB/s")
+
+    if args.verify:
+        host_kv = torch.randint(0, 256, (HOST_ROWS, ITEM), dtype=torch.uint8).pin_memory()
+        ndts = [int(x) for x in args.verify.split(",")]
+        vrows = verify_points(timer, ceiling, ndts, [1, 8, 32] if not args.quick else [1, 32],
+                              [0.0, 0.13, 0.40], host_kv)
+        if args.json:
+            Path(args.json).write_text(json.dumps(dict(
+                device=dev.name, h2d_ceiling_gbps=ceiling, top_k=TOP_K, seq_len=SEQ, verify=vrows), indent=2))
+        return 0
 
     world = World(max(batches))
     variants = [int(x) for x in args.hash_scale.split(",")] if args.hash_scale else []

@@ -76,6 +76,11 @@
 #             GF_BOUND_LAYERS (8) layers of the V3.2 geometry, configs
 #             GF_BOUND_CONFIGS (base,ours,noio), synthetic as above, one
 #             launch each. ~2-3 min per launch.
+#   kbench    the swap-in kernel alone (waits for bg-tests): bench_kernels.py
+#             --quick (ours vs the gather floor and 0.5.13's, batch 1/32, miss
+#             0/13/100%) and --verify 2,4 (speculative verify rows: the union
+#             call per layer beside the gather floor and the decode call).
+#             ~2 min cold (nvcc builds), ~1 min warm.
 #   jit       save_jit_cache: the kernel caches as jitcache.tar.xz (split in
 #             15 MiB parts when larger; not returned above ~45 MiB). Run
 #             last; ~0.5-1 min. Then, here:
@@ -100,8 +105,8 @@ if [ ${#STAGES[@]} -eq 0 ]; then
   exit 2
 fi
 for s in "${STAGES[@]}"; do
-  case $s in tests|bg-tests|check|fault|e2e|e2e1|e2e2|deep|trace|decode|bound|jit) ;;
-    *) echo "unknown stage $s (tests bg-tests check fault e2e e2e1 e2e2 deep trace decode bound jit)"; exit 2 ;;
+  case $s in tests|bg-tests|check|fault|e2e|e2e1|e2e2|deep|trace|decode|bound|kbench|jit) ;;
+    *) echo "unknown stage $s (tests bg-tests check fault e2e e2e1 e2e2 deep trace decode bound kbench jit)"; exit 2 ;;
   esac
 done
 [ -f scripts/e2e_gpu.py ] && [ -f .gpu/device_env.sh ] || {
@@ -228,6 +233,9 @@ summarize_stage() {
       grep -E '^(FAILED|ERROR) ' "$f" | head -30
       grep -E '^=+ .*[0-9]+ (passed|failed|errors?|skipped)' "$f" | tail -1
       grep -q -E '^=+ .*[0-9]+ (passed|failed|errors?|skipped)' "$f" || tail -5 "$f" ;;
+    kbench)
+      grep -E '^( *bs|ndt| *[0-9]+ |worst|pinned|device)' "$f" | cut -c1-200
+      grep -q '^ndt' "$f" || tail -15 "$f" ;;
     decode)
       grep -E '^\[[a-z]+\] ' "$f" | cut -c1-300
       sed -n '/^per decode step/,$p' "$f"
@@ -319,6 +327,11 @@ decode_cmd() {
     --out "$RUN/decode"
 }
 
+kbench_cmd() {
+  python3 scripts/bench_kernels.py --quick --json "$RUN/kbench_decode.json"
+  python3 scripts/bench_kernels.py --verify 2,4 --json "$RUN/kbench_verify.json"
+}
+
 bound_cmd() {
   local model; model=$(v32_model "${GF_BOUND_LAYERS:-8}") || return 1
   local syn=${GF_DECODE_SYNTHETIC-calibrated}
@@ -372,6 +385,10 @@ trace_cmd"
     bound)
       run_stage bound 200 560 bash -c "$(declare -f v32_model bound_cmd); $(declare -p E2E LONG_ARGS RUN WORK); bound_cmd"
       show bound ;;
+    kbench)
+      wait_bg
+      run_stage kbench 90 300 bash -c "$(declare -f kbench_cmd); $(declare -p RUN); kbench_cmd"
+      show kbench ;;
     jit) ;;  # done by finish, after everything else
   esac
 done
