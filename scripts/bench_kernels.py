@@ -98,6 +98,9 @@ class World:
         self.lru0 = torch.stack([torch.randperm(HOT, generator=gen) for _ in range(max_bs)]).to(torch.int16).cuda()
         # The data plane's hit/miss tally, passed as the coordinator does.
         self.tally = torch.zeros(2, dtype=torch.int64, device="cuda")
+        # The arrival counters, passed explicitly: the timing graphs are
+        # captured on a side stream, which has no workspace of its own yet.
+        self.workspace = torch.zeros(max_bs, dtype=torch.int32, device="cuda")
         self.slot_tokens = self.slot_tokens0.clone()
         self.lru = self.lru0.clone()
         self.gen = gen
@@ -231,7 +234,7 @@ def ours(world: World, bs: int, top_k: torch.Tensor, out, num_real, seq_lens, re
         swap_in_bench(top_k, reqs, seq_lens, num_real, world.slot_tokens, world.slot_locs,
                       world.lru, world.host_locs, world.host_kv, world.device_kv, out,
                       skip_io=skip_io, blocks_per_req=blocks_per_req, block_size=block_size,
-                      tally=world.tally, probe=probe, **more)
+                      tally=world.tally, probe=probe, workspace=world.workspace, **more)
 
     return call
 
@@ -472,15 +475,12 @@ class VerifyWorld:
             self.resident.append(perm[:self.hot])
             self.absent.append(perm[self.hot:])
         self.slot_tokens0 = st.cuda()
-        # Resident slots hold their tokens' bytes (rows_served checks hits too).
-        for r in range(max_bs):
-            filled = st[r] >= 0
-            locs = self.host_locs[r].cpu()[st[r][filled].long()]
-            self.device_kv[self.slot_locs[r].cpu()[filled].long()] = host_kv[locs].to(self.device_kv.device)
+        self.refill()
         self.lru0 = torch.stack([torch.randperm(self.hot, generator=gen)
                                  for _ in range(max_bs)]).to(torch.int16).cuda()
         self.slot_tokens, self.lru = self.slot_tokens0.clone(), self.lru0.clone()
         self.tally = torch.zeros(2, dtype=torch.int64, device="cuda")
+        self.workspace = torch.zeros(max_bs, dtype=torch.int32, device="cuda")
         self.miss_src = torch.zeros((max_bs, n * TOP_K), dtype=torch.int64, device="cuda")
         self.miss_dst = torch.zeros((max_bs, n * TOP_K), dtype=torch.int32, device="cuda")
         self.miss_count = torch.zeros(max_bs, dtype=torch.int32, device="cuda")
@@ -488,6 +488,16 @@ class VerifyWorld:
     def restore(self) -> None:
         self.slot_tokens.copy_(self.slot_tokens0)
         self.lru.copy_(self.lru0)
+
+    def refill(self) -> None:
+        """Every slot's row holds its token's bytes again (timed calls leave
+        misses' bytes in their victims' rows; rows_served checks hits too)."""
+        st = self.slot_tokens0.cpu()
+        for r in range(self.max_bs):
+            filled = st[r] >= 0
+            locs = self.host_locs[r].cpu()[st[r][filled].long()]
+            self.device_kv[self.slot_locs[r].cpu()[filled].long()] = self.host_kv[locs].to(
+                self.device_kv.device)
 
     def _draw(self, r: int, k: int, miss: float) -> torch.Tensor:
         n_miss = round(miss * k)
@@ -526,7 +536,7 @@ class VerifyWorld:
         def call():
             swap_in_bench(top_k, reqs, seq_lens, num_real, self.slot_tokens, self.slot_locs, self.lru,
                           self.host_locs, self.host_kv, self.device_kv, out, tally=self.tally,
-                          draft_tokens=self.n, **kw)
+                          workspace=self.workspace, draft_tokens=self.n, **kw)
 
         return call
 
@@ -577,6 +587,7 @@ def verify_points(timer: Timer, ceiling: float, ndts, batches, misses, host_kv) 
                 # The decode call on the same buffers: row 0 of each request.
                 t_d, _ = timer.median_us(world_decode(world, top_k, one), world.restore)
                 world.restore()
+                world.refill()
                 world.call(top_k, reqs, seq_lens, num_real, out)()
                 served = rows_served(world, top_k, seq_lens, out, bs)
                 bound = max(moved * ITEM / (ceiling * 1e9) * 1e6, MIN_BOUND_US)
@@ -599,7 +610,8 @@ def world_decode(world: VerifyWorld, top_k, one):
 
     def call():
         swap_in_bench(first, reqs, seq_lens, num_real, world.slot_tokens, world.slot_locs, world.lru,
-                      world.host_locs, world.host_kv, world.device_kv, out, tally=world.tally)
+                      world.host_locs, world.host_kv, world.device_kv, out, tally=world.tally,
+                      workspace=world.workspace)
 
     return call
 

@@ -146,6 +146,7 @@ CONFIGS = ("base", "native", "ours", "nopark", "noio", "stock", "ref")
 # --check must find in them: noio skips the host copies, a planted fault.
 CHECK_EXPECT = {"ours": "exact", "nopark": "exact", "noio": "mismatch"}
 CHECK_ENV = "SGLANG_HISPARSE_CHECK"
+EXPERIMENTAL_MTP_ENV = "SGLANG_HISPARSE_EXPERIMENTAL_MTP"
 SYNTHETIC_ENV = "SGLANG_HISPARSE_SYNTHETIC_TOPK"
 # Where --synthetic reaches: this work tree's data plane, and SGLang's own
 # through the plugin's native-mode hook (adapter/native.py).
@@ -182,7 +183,7 @@ def server_cmd(model: str, port: int, config: str, extra: list[str],
                step_profile: bool = False, hs_config: Optional[dict] = None,
                ref_pkg: Optional[str] = None, check: bool = False,
                server_args: Optional[list[str]] = None,
-               synthetic: Optional[str] = None) -> tuple[list[str], dict]:
+               synthetic: Optional[str] = None, mtp: bool = False) -> tuple[list[str], dict]:
     if config not in CONFIGS:
         raise ValueError(f"unknown configuration {config!r}; allowed: {', '.join(CONFIGS)}")
     if config == "ref" and not ref_pkg:
@@ -216,6 +217,9 @@ def server_cmd(model: str, port: int, config: str, extra: list[str],
         args += ["--enable-hisparse", "--hisparse-config", json.dumps(hs_config or HS_CONFIG)]
     if check and config not in ("base", "stock"):
         env[CHECK_ENV] = "1"
+    if mtp and config not in ("base", "stock"):
+        # MTP with HiSparse is behind the development switch until its GPU proof.
+        env[EXPERIMENTAL_MTP_ENV] = "1"
     if synthetic and config in SYNTHETIC_CONFIGS:
         env[SYNTHETIC_ENV] = synthetic
     if config == "ref":
@@ -673,6 +677,11 @@ def main() -> int:
                          "only enough to reach a configuration's highest running count)")
     ap.add_argument("--max-new", type=int, default=None, metavar="N",
                     help="output tokens per request instead of the workload's")
+    ap.add_argument("--mtp", default=None, metavar="STEPS,TOPK,NDT",
+                    help="every server runs MTP (EAGLE) with these --speculative-num-steps, "
+                         "--speculative-eagle-topk and --speculative-num-draft-tokens, e.g. 1,1,2 "
+                         "or 3,1,4; a model without a NextN layer gets one "
+                         "(num_nextn_predict_layers 1, random weights)")
     ap.add_argument("--server-args", default="",
                     help="extra sglang.launch_server flags for every launch, one shell-quoted "
                          "string (after the workload's own; the last of a repeated flag wins)")
@@ -704,6 +713,23 @@ def main() -> int:
 
         args.model = str(model_config.write(model_config.build_config(args.geometry, args.layers),
                                             Path(args.logs) / "model").parent)
+    if args.mtp:
+        try:
+            steps, topk, ndt = (int(x) for x in args.mtp.split(","))
+        except ValueError:
+            ap.error(f"--mtp takes STEPS,TOPK,NDT (e.g. 3,1,4), got {args.mtp!r}")
+        cfg = json.loads((Path(args.model) / "config.json").read_text())
+        if not cfg.get("num_nextn_predict_layers"):
+            cfg["num_nextn_predict_layers"] = 1
+            mtp_model = Path(args.logs) / "model-mtp"
+            mtp_model.mkdir(parents=True, exist_ok=True)
+            (mtp_model / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+            args.model = str(mtp_model)
+        opts["server_args"] += ["--speculative-algorithm", "EAGLE",
+                                "--speculative-num-steps", str(steps),
+                                "--speculative-eagle-topk", str(topk),
+                                "--speculative-num-draft-tokens", str(ndt)]
+        opts["mtp"] = True
     # A config directory given relative to here must still be found from the
     # servers' own (empty) working directory.
     model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model

@@ -81,6 +81,11 @@
 #             0/13/100%) and --verify 2,4 (speculative verify rows: the union
 #             call per layer beside the gather floor and the decode call).
 #             ~2 min cold (nvcc builds), ~1 min warm.
+#   mtp       MTP (EAGLE) with HiSparse behind SGLANG_HISPARSE_EXPERIMENTAL_MTP:
+#             e2e_gpu.py --mtp GF_MTP (1,1,2: steps, top-k, draft tokens) on
+#             the kit model given a NextN layer, configs GF_MTP_CONFIGS
+#             (ours,base), workloads GF_MTP_WORKLOADS (smoke), with --check;
+#             capped at GF_MTP_CAP_S (420 s). ~2.5 min per launch cold.
 #   jit       save_jit_cache: the kernel caches as jitcache.tar.xz (split in
 #             15 MiB parts when larger; not returned above ~45 MiB). Run
 #             last; ~0.5-1 min. Then, here:
@@ -89,7 +94,8 @@
 #   1. bash scripts/gpu_stages.sh bg-tests check fault jit   (~6-7 min)
 #   2. bash scripts/gpu_stages.sh e2e1 deep                  (~8-10 min cold)
 #   3. bash scripts/gpu_stages.sh e2e2                       (~5-7 min)
-# Environment: GF_BUDGET_S (570), GF_E2E_BASE (1; 0: e2e rounds without
+# Environment: GF_BUDGET_S (570), GF_TESTS (test ids for tests/bg-tests
+# instead of the GPU files), GF_E2E_BASE (1; 0: e2e rounds without
 # base), GF_CPUS (e.g. fastest:4: pin e2e servers
 # to the cores timed fastest; only with a warm JIT cache, kernel builds get
 # those cores only), GF_CHECK_CONFIGS (ours), GF_DEEP_LAYERS (61),
@@ -105,8 +111,8 @@ if [ ${#STAGES[@]} -eq 0 ]; then
   exit 2
 fi
 for s in "${STAGES[@]}"; do
-  case $s in tests|bg-tests|check|fault|e2e|e2e1|e2e2|deep|trace|decode|bound|kbench|jit) ;;
-    *) echo "unknown stage $s (tests bg-tests check fault e2e e2e1 e2e2 deep trace decode bound kbench jit)"; exit 2 ;;
+  case $s in tests|bg-tests|check|fault|e2e|e2e1|e2e2|deep|trace|decode|bound|kbench|mtp|jit) ;;
+    *) echo "unknown stage $s (tests bg-tests check fault e2e e2e1 e2e2 deep trace decode bound kbench mtp jit)"; exit 2 ;;
   esac
 done
 [ -f scripts/e2e_gpu.py ] && [ -f .gpu/device_env.sh ] || {
@@ -271,6 +277,8 @@ BASE_CONFIG=base
 ROUND_N=$(( 1 + $([ -n "$BASE_CONFIG" ] && echo 1 || echo 0) + $([ -n "$REF_CONFIGS" ] && echo 1 || echo 0) ))
 
 test_files() {
+  # GF_TESTS: these test ids instead (e.g. a rerun of the failures).
+  [ -n "${GF_TESTS:-}" ] && { echo "$GF_TESTS"; return; }
   local f files=()
   for f in tests/test_kernel_gpu.py tests/test_host_memory_gpu.py tests/test_exactness_kernel_gpu.py; do
     [ -f "$f" ] && files+=("$f")
@@ -325,6 +333,11 @@ decode_cmd() {
     --prompt 32000 --new "${GF_DECODE_NEW:-400}" --steps 8 --warm-s 2 --no-stack \
     --extra "--max-total-tokens 72000 --context-length 40960 --mem-fraction-static 0.45 --cuda-graph-max-bs 16" \
     --out "$RUN/decode"
+}
+
+mtp_cmd() {
+  "${E2E[@]}" --configs "${GF_MTP_CONFIGS:-ours,base}" --workloads "${GF_MTP_WORKLOADS:-smoke}" \
+    --mtp "${GF_MTP:-1,1,2}" --check --warmup 0 --out "$RUN/mtp.json" --logs "$RUN/mtp"
 }
 
 kbench_cmd() {
@@ -385,6 +398,9 @@ trace_cmd"
     bound)
       run_stage bound 200 560 bash -c "$(declare -f v32_model bound_cmd); $(declare -p E2E LONG_ARGS RUN WORK); bound_cmd"
       show bound ;;
+    mtp)
+      run_stage mtp 150 "${GF_MTP_CAP_S:-420}" bash -c "$(declare -f mtp_cmd); $(declare -p E2E RUN); mtp_cmd"
+      show mtp ;;
     kbench)
       wait_bg
       run_stage kbench 90 300 bash -c "$(declare -f kbench_cmd); $(declare -p RUN); kbench_cmd"

@@ -243,7 +243,17 @@ def rebase(root: Path, write: bool, accept: tuple[str, ...] = (), out: Path | No
             print(f"  new      {e.target} ({src.path.name}:{src.first_line})")
             hashes[e.target] = src.sha256
             continue
-        if src.sha256 == e.sha256.get(old):
+        # A source patch given with --patch is the person's, even on an
+        # unchanged source (the ported branch below applies it).
+        if src.sha256 == e.sha256.get(old) and not (
+                e.kind is Kind.SOURCE_PATCH and e.target in ported):
+            if e.kind is Kind.SOURCE_PATCH and not patch_file(old, e.target).is_file():
+                # A target the old pin hashed (as a DEPENDS, say) that is a
+                # source patch now: the person who wrote the patch ports it.
+                print(f"  review   {e.target}: a source patch the {old} pin has no diff "
+                      "for; write it against this source, then --patch it")
+                needs_human += 1
+                continue
             print(f"  same     {e.target}")
             hashes[e.target] = src.sha256
             if e.kind is Kind.SOURCE_PATCH:

@@ -395,14 +395,15 @@ class Sim:
         rpi = [r.req_pool_idx for r in batch]
         committed = [r.sim_len for r in batch]
         locs = verify_locs(self.r2t, batch, committed, n)
-        self.coord.verify.map_slots(rpi, committed, locs)
+        self.coord.verify.map_slots(rpi, [r.kv_allocated_len for r in batch], self.dev(committed),
+                                    locs.to(self.device))
         with self.forward():
             self.coord.wait_for_pending_backup()
             self.coord.num_real_reqs.fill_(len(batch))
             for r, s, loc in zip(batch, committed, locs):
                 self.write_kv(r, range(s, s + n), loc)
             self.check_verify_swap_in(batch, rpi, committed)
-        self.coord.verify.commit(rpi, committed, locs)
+        self.coord.verify.commit()
         self.stats["verify_steps"] += 1
         for r in list(batch):
             kept = self.rng.randint(1, n)  # accept_length + 1
@@ -451,7 +452,8 @@ class Sim:
             return
         self.reserve_speculative([req])
         locs = verify_locs(self.r2t, [req], [s], n)
-        self.coord.verify.map_slots([req.req_pool_idx], [s], locs)
+        self.coord.verify.map_slots([req.req_pool_idx], [req.kv_allocated_len], self.dev([s]),
+                                    locs.to(self.device))
         self.running.remove(req)
         self.coord.request_finished(req)
         self.release_slots(req)

@@ -605,6 +605,132 @@ HOOKS: tuple[Entry, ...] = (
         # eagle_prepare_for_decode(batch): its entry comes with the MTP wiring.
         until="0.5.13.post1",
     ),
+    Entry(
+        target="sglang.srt.speculative.eagle_info_v2.EagleVerifyInputV2Mixin.prepare_for_v2_verify",
+        kind=Kind.AFTER,
+        sha256=None,
+        why=(
+            "The verify forward writes the draft tokens' KV at out_cache_loc through the "
+            "allocator's mapping; the verify slots must point at hot-buffer rows first "
+            "(host rows reserved up to kv_allocated_len, short buffers grown), from the "
+            "device seq_lens: under the overlap scheduler the CPU does not know the "
+            "previous step's accept lengths yet."
+        ),
+        native_in=None,
+        impl="sglang_hisparse.adapter.speculative:map_verify_slots",
+        upstream="0.5.23 srt/speculative/eagle_utils.py:365-366 (prepare), "
+                 "managers/hisparse_coordinator.py:352-374",
+        scope=Scope.DATA_PLANE,
+        removal="keep while the data plane is ours",
+        process=Process.SCHEDULER,
+        tests=("tests/test_verify_step.py", "tests/test_speculative_seams.py"),
+        until="0.5.13.post1",
+    ),
+    Entry(
+        target="sglang.srt.speculative.eagle_info_v2.EagleVerifyInputV2Mixin.sample",
+        kind=Kind.AFTER,
+        sha256=None,
+        why=(
+            "Under speculation 0.5.13 never runs map_last_loc_to_buffer, so nothing "
+            "writes a verified token through to host; after the verify forward the "
+            "commit queues all draft positions' write-through and unmaps the verify "
+            "slots (no accept length needed on the CPU)."
+        ),
+        native_in=None,
+        impl="sglang_hisparse.adapter.speculative:commit_verify_slots",
+        upstream="0.5.23 srt/speculative/eagle_worker_common.py:717-720 (commit)",
+        scope=Scope.DATA_PLANE,
+        removal="keep while the data plane is ours",
+        process=Process.SCHEDULER,
+        tests=("tests/test_verify_step.py", "tests/test_speculative_seams.py"),
+        until="0.5.13.post1",
+    ),
+    Entry(
+        target=f"{_DSA}.get_indexer_metadata",
+        kind=Kind.AFTER,
+        sha256=None,
+        why=(
+            "0.5.13 forces the unfused top-k (raw token positions, what the swap-in "
+            "resolves) only for decode; a verify step's rows need positions too, or the "
+            "fused kernel hands back logical slots."
+        ),
+        native_in=None,
+        impl="sglang_hisparse.adapter.speculative:verify_indexer_metadata",
+        upstream="0.5.23 srt/layers/attention/dsa_backend.py:4130-4136",
+        scope=Scope.DATA_PLANE,
+        removal="keep while the data plane is ours",
+        process=Process.SCHEDULER,
+        tests=("tests/test_speculative_seams.py",),
+    ),
+    Entry(
+        target=f"{_DSA}.forward_extend",
+        kind=Kind.SOURCE_PATCH,
+        sha256=None,
+        why=(
+            "0.5.13 translates every extend page table through the logical-to-row "
+            "mapping, which holds no row for a token that lives on host; a verify step's "
+            "rows are resolved by the union swap-in instead (swap_in_selected_pages with "
+            "one row per draft token, seq_lens expanded per row)."
+        ),
+        native_in=None,
+        upstream="0.5.23 srt/layers/attention/dsa_backend.py:2327-2341 (spec swap)",
+        scope=Scope.DATA_PLANE,
+        removal="keep while the data plane is ours",
+        process=Process.SCHEDULER,
+        behaviour=(
+            "TARGET_VERIFY with HiSparse: the page table is the union swap-in's output "
+            "(physical rows, int32) for the top-k positions of each verify row",
+            "every other extend: unchanged (translate_loc_to_hisparse_device, then int32)",
+        ),
+        tests=("tests/test_speculative_seams.py", "tests/test_device_pool.py"),
+    ),
+    Entry(
+        target=f"{_MR}.initialize",
+        kind=Kind.BEFORE,
+        sha256=None,
+        why=(
+            "The draft (NextN) runner copies enable_hisparse from the server args and "
+            "would build a second coordinator and host pool over the target's shared "
+            "allocator (sglang#23153); it keeps its one layer's KV on the GPU. Also "
+            "relied on: it builds the target's coordinator (cuda/musa only, before "
+            "init_attention_backend and graph capture) with 0.5.13's fixed keywords from "
+            "parse_hisparse_config, top_k = the model's index_topk."
+        ),
+        relied_on_by=(_COORD, "sglang_hisparse.adapter.args:parse_hisparse_config"),
+        native_in=None,
+        impl="sglang_hisparse.adapter.speculative:draft_runner_without_hisparse",
+        upstream="0.5.23 srt/model_executor/model_runner.py:413-415",
+        scope=Scope.DATA_PLANE,
+        removal="keep while the data plane is ours",
+        process=Process.SCHEDULER,
+        tests=("tests/test_speculative_seams.py",),
+    ),
+    Entry(
+        target=f"{_KV_MIXIN}._init_pools",
+        kind=Kind.AROUND,
+        sha256=None,
+        why=(
+            "The draft runner sizes its pool by the target's device token count, but "
+            "the shared allocator hands out logical slots up to the host-backed logical "
+            "space; the draft's pool spans it. Also relied on: it constructs the DSA "
+            "device pool, the dual allocator and the DSV4 allocator with fixed keywords "
+            "(class REPLACE targets), host_to_device_ratio from parse_hisparse_config."
+        ),
+        relied_on_by=(
+            _ALLOC,
+            "sglang_hisparse.pools.device_dsa:HiSparseDSADevicePool",
+            "sglang_hisparse.pools.allocator_c4:DSV4HiSparseAllocator",
+            "sglang_hisparse.adapter.args:parse_hisparse_config",
+        ),
+        native_in=None,
+        impl="sglang_hisparse.adapter.speculative:draft_pool_for_logical_ids",
+        upstream="0.5.23 srt/model_executor/kv_cache_configurator.py:729-740",
+        scope=Scope.DATA_PLANE,
+        removal="keep while the data plane is ours",
+        process=Process.SCHEDULER,
+        tests=("tests/test_speculative_seams.py", "tests/test_allocator.py",
+               "tests/test_device_pool.py", "tests/test_dsv4.py"),
+    ),
     # --- the native comparison mode (SGLANG_HISPARSE_NATIVE=1) only.
     Entry(
         target="sglang.srt.managers.hisparse_coordinator.HiSparseCoordinator.swap_in_selected_pages",
@@ -711,14 +837,6 @@ DEPENDS: tuple[Entry, ...] = (
     ),
     # --- the model runner: pools, coordinator, per-step calls.
     _depends(
-        f"{_MR}.initialize",
-        "builds the coordinator (cuda/musa only, before init_attention_backend and "
-        "graph capture) with 0.5.13's fixed keywords from parse_hisparse_config; "
-        "top_k = the model's index_topk",
-        (_COORD, "sglang_hisparse.adapter.args:parse_hisparse_config"),
-        scope=Scope.ALWAYS,
-    ),
-    _depends(
         f"{_MR}._forward_raw",
         "each decode forward calls wait_for_pending_backup() then "
         "num_real_reqs.fill_(batch_size) before graph replay; eager forwards fill again",
@@ -743,20 +861,6 @@ DEPENDS: tuple[Entry, ...] = (
         "fills num_real_reqs with the unpadded batch size before each replay "
         "(rows past it are padding the kernel skips)",
         (f"{_COUNT}.fill_",),
-    ),
-    _depends(
-        f"{_KV_MIXIN}._init_pools",
-        "constructs the DSA device pool, the dual allocator and the DSV4 allocator "
-        "with fixed keywords (class REPLACE targets), host_to_device_ratio from "
-        "parse_hisparse_config",
-        (
-            _ALLOC,
-            "sglang_hisparse.pools.device_dsa:HiSparseDSADevicePool",
-            "sglang_hisparse.pools.allocator_c4:DSV4HiSparseAllocator",
-            "sglang_hisparse.adapter.args:parse_hisparse_config",
-        ),
-        scope=Scope.ALWAYS,
-        tests=("tests/test_allocator.py", "tests/test_device_pool.py", "tests/test_dsv4.py"),
     ),
     _depends(
         f"{_KV_MIXIN}.calculate_mla_kv_cache_dim",
@@ -942,21 +1046,6 @@ DEPENDS: tuple[Entry, ...] = (
         f"{_DSA}.forward_decode",
         "the decode page table is swap_in_selected_pages(req_pool_indices, seq_lens, "
         "topk_indices padded to the q rows, layer_id)",
-        (f"{_COORD}.swap_in_selected_pages",),
-    ),
-    _depends(
-        f"{_DSA}.forward_extend",
-        "the extend page table goes through translate_loc_to_hisparse_device, then int32",
-        (
-            "sglang_hisparse.pools.device_dsa:"
-            "HiSparseDSADevicePool.translate_loc_to_hisparse_device",
-        ),
-        tests=("tests/test_device_pool.py",),
-    ),
-    _depends(
-        f"{_DSA}.get_indexer_metadata",
-        "decode/idle with HiSparse forces the unfused top-k: the swap-in reads raw "
-        "token positions",
         (f"{_COORD}.swap_in_selected_pages",),
     ),
     _depends(

@@ -10,6 +10,7 @@ function for a REPLACE hook.
 
 from __future__ import annotations
 
+import __future__
 import ast
 import re
 import sys
@@ -133,10 +134,16 @@ def compile_patched(pinned: PinnedSource, patched_text: str, owner: object | Non
     module = sys.modules.get(pinned.module)
     if module is None:
         raise PatchError(pinned.target, f"module {pinned.module} is not imported")
+    # A module written with ``from __future__ import annotations`` leaves its
+    # annotations unevaluated (they may name TYPE_CHECKING-only imports): its
+    # patched function is compiled the same way.
+    future = module.__dict__.get("annotations")
+    flags = future.compiler_flag if future is __future__.annotations else 0
     code = compile(
         factory_src,
         f"<sglang-hisparse patch of {pinned.target}>",
         "exec",
+        flags=flags,
         dont_inherit=True,
     )
     scope: dict = {}

@@ -42,7 +42,7 @@ _RESULT_MARK = "SERVER_ARGS_RESULTS "
 _RUNNER = (
     CUDA_CAPABILITY_SHIM
     + r'''
-import dataclasses, json, sys
+import dataclasses, json, os, sys
 
 cases = json.loads(sys.stdin.read())
 activation = None
@@ -61,6 +61,8 @@ def error_of(exc):
 results = {}
 for name, case in cases.items():
     result = {"ok": False}
+    saved_env = {k: os.environ.get(k) for k in case.get("env", {})}
+    os.environ.update(case.get("env", {}))
     try:
         server_args = prepare_server_args(case["argv"])
         # Values SGLang's own __post_init__ would reject first, set directly
@@ -85,6 +87,12 @@ for name, case in cases.items():
     except BaseException as exc:  # argparse exits with SystemExit
         result.update(error_of(exc))
         result.setdefault("stage", "prepare_server_args")
+    finally:
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     results[name] = result
 
 print(MARK + json.dumps({"activation": activation, "results": results}))
@@ -97,8 +105,9 @@ def check_server_args_cases(
 ) -> dict:
     """Parse and check each case in one fresh interpreter.
 
-    ``cases``: name -> {"argv": [...], "set": {attr: value}}; "set" is
-    applied between prepare_server_args and check_server_args.
+    ``cases``: name -> {"argv": [...], "set": {attr: value}, "env": {name:
+    value}}; "set" is applied between prepare_server_args and
+    check_server_args, "env" around both.
     Returns {"activation": {"applied", "error"} | None, "results": {name:
     {"ok", "stage", "error_type", "error", "fields", "sparse_config"}}}.
     """

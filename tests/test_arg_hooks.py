@@ -103,6 +103,13 @@ def cases_with_plugin(dirs) -> dict:
         "speculative_draft_past_page": {**dsv32(*LINEAR), "set": {"page_size": 2}},
         "speculative_pd_decode": dsv32(*LINEAR, "--disaggregation-mode", "decode"),
         "speculative_deepseek_v4": v4(*LINEAR),
+        # The development switch for the wired verify seams (before their GPU proof).
+        "speculative_experimental": {**dsv32(*LINEAR), "env": {"SGLANG_HISPARSE_EXPERIMENTAL_MTP": "1"}},
+        "speculative_experimental_tree": {
+            **dsv32("--attention-backend", "triton", "--speculative-algorithm", "EAGLE",
+                    "--speculative-eagle-topk", "2", "--speculative-num-steps", "3",
+                    "--speculative-num-draft-tokens", "8"),
+            "env": {"SGLANG_HISPARSE_EXPERIMENTAL_MTP": "1"}},
         "pipeline_parallel": dsv32("--pp-size", "2", "--disable-overlap-schedule"),
         "several_problems": {"argv": ["--model-path", str(TINY_DSV32), "--device", "cuda",
                                       "--enable-hisparse", "--enable-mixed-chunk",
@@ -288,6 +295,22 @@ def test_speculative_decoding_is_rejected(ours):
     native_first = ours["speculative_tree_native_first"]
     assert native_first["stage"] == "prepare_server_args"
     assert "page_size > 1" in native_first["error"]
+
+
+def test_the_experimental_switch_lets_linear_mtp_through_where_the_seams_are_wired(ours):
+    """SGLANG_HISPARSE_EXPERIMENTAL_MTP=1 drops only the final refusal, on a
+    release whose verify seams exist; every other rule still applies, and the
+    default buffer holds (draft tokens + 1) x top_k."""
+    from sglang_hisparse.adapter import releases
+
+    linear, tree = ours["speculative_experimental"], ours["speculative_experimental_tree"]
+    if releases.current.speculative_seams_wired():
+        assert linear["ok"], linear
+        assert linear["sparse_config"]["device_buffer_size"] == 5 * 2048
+        error = rejected(tree, "--speculative-eagle-topk must be 1, got 2")
+        assert "does not support speculative decoding (MTP/EAGLE) yet" not in error
+    else:
+        rejected(linear, "does not support speculative decoding (MTP/EAGLE) yet")
 
 
 @pytest.mark.parametrize("case,fragments", [

@@ -192,7 +192,9 @@ def test_probe_stamps_phases_without_changing_the_result():
     phases = [t for t in stamps[: len(kernels.PROBE_PHASES)] if t]
     assert phases == sorted(phases) and len(phases) == len(kernels.PROBE_PHASES), stamps
     got = kernels.probe_phases_us(probe)
-    assert got["grid_span"] >= got["block0_total"] >= 0 and got["block0_start_lag"] >= 0
+    # %globaltimer is per SM: block (0, 0)'s entry may read a few tens of ns
+    # before the grid's earliest entry stamp of another SM.
+    assert got["grid_span"] >= got["block0_total"] >= 0 and got["block0_start_lag"] >= -1.0
 
 
 def test_skip_io_updates_state_only():

@@ -58,8 +58,26 @@ def reserve(env, req, upto):
 def reserved_verify_locs(env, reqs, committed):
     """The spec reserve for every request, then the step's verify slots."""
     for r, s in zip(reqs, committed):
-        reserve(env, r, s + N)
+        reserve(env, r, s + 2 * N)  # 0.5.13 reserves two steps ahead (get_alloc_reserve_per_decode)
     return verify_locs(env.r2t, reqs, committed, N)
+
+
+def check_verify_reads(env, req_pool_indices, committed, gen):
+    """The union swap-in on random verify rows (each selects older positions
+    and its own verified ones): every row reads the tags of what it selected."""
+    n = N
+    top = torch.full((len(committed) * n, TOPK), -1, dtype=torch.int32)
+    for b, s in enumerate(committed):
+        for j in range(n):
+            pick = gen.sample(range(s + j + 1), min(TOPK, s + j + 1))
+            top[b * n + j, :len(pick)] = torch.tensor(pick, dtype=torch.int32)
+    env.coord.num_real_reqs.fill_(len(committed))
+    seq_rows = t64(*[s + j + 1 for s in committed for j in range(n)])
+    for layer in range(env.pool.layer_num):
+        out = env.coord.swap_in_selected_pages(req_pool_indices, seq_rows, top, layer)
+        for row in range(len(committed) * n):
+            want = [t for t in top[row].tolist() if t >= 0]
+            assert get_tag(env.pool.kv_buffer[layer], out[row, :len(want)]) == want, (layer, row)
 
 
 def verify_step(env, reqs, committed, gen, accept=None):
@@ -67,28 +85,16 @@ def verify_step(env, reqs, committed, gen, accept=None):
     coord, n = env.coord, N
     rpi = [r.req_pool_idx for r in reqs]
     locs = reserved_verify_locs(env, reqs, committed)
-    coord.verify.map_slots(rpi, committed, locs)
+    coord.verify.map_slots(rpi, [r.kv_allocated_len for r in reqs], t64(*committed), locs)
     rows = env.alloc.translate_to_physical(locs.reshape(-1))
     assert bool((rows > 0).all()), "a verify slot is unmapped"
     positions = torch.cat([torch.arange(s, s + n) for s in committed])
     for layer in range(env.pool.layer_num):  # the forward writes the verified tokens
         put_tag(env.pool.kv_buffer[layer], rows, positions)
 
-    # every verify row selects older positions and its own verified ones
-    top = torch.full((len(reqs) * n, TOPK), -1, dtype=torch.int32)
-    for b, s in enumerate(committed):
-        for j in range(n):
-            pick = gen.sample(range(s + j + 1), min(TOPK, s + j + 1))
-            top[b * n + j, :len(pick)] = torch.tensor(pick, dtype=torch.int32)
-    coord.num_real_reqs.fill_(len(reqs))
-    seq_rows = t64(*[s + j + 1 for s in committed for j in range(n)])
-    for layer in range(env.pool.layer_num):
-        out = coord.swap_in_selected_pages(t64(*rpi), seq_rows, top, layer)
-        for row in range(len(reqs) * n):
-            want = [t for t in top[row].tolist() if t >= 0]
-            assert get_tag(env.pool.kv_buffer[layer], out[row, :len(want)]) == want, (layer, row)
+    check_verify_reads(env, t64(*rpi), committed, gen)
 
-    coord.verify.commit(rpi, committed, locs)
+    coord.verify.commit()
     assert int(env.alloc.full_to_hisparse_device_index_mapping[locs.reshape(-1)].abs().sum()) == 0
     new = []
     for b, (r, s) in enumerate(zip(reqs, committed)):
@@ -130,9 +136,10 @@ def test_finish_or_abort_mid_step_returns_everything(when):
     env.coord.collect_ready_reqs()
     committed = verify_step(env, [a, b], [200, 90], gen)
     locs = reserved_verify_locs(env, (a, b), committed)
-    env.coord.verify.map_slots([a.req_pool_idx, b.req_pool_idx], committed, locs)
+    env.coord.verify.map_slots([a.req_pool_idx, b.req_pool_idx],
+                               [a.kv_allocated_len, b.kv_allocated_len], t64(*committed), locs)
     if when == "after_commit":
-        env.coord.verify.commit([a.req_pool_idx, b.req_pool_idx], committed, locs)
+        env.coord.verify.commit()
     with speculative_server_args():
         env.finish(a)  # the verify slots of a step in flight are in kv_allocated_len
         env.finish(b)
@@ -196,11 +203,11 @@ def test_a_request_without_host_rows_is_not_written_back(monkeypatch):
     monkeypatch.setattr(type(host), "try_alloc_paged_token_slots", no_page_for_a)
     locs = reserved_verify_locs(env, (a, b), (320, 200))
     rpi = [a.req_pool_idx, b.req_pool_idx]
-    env.coord.verify.map_slots(rpi, [320, 200], locs)
+    env.coord.verify.map_slots(rpi, [a.kv_allocated_len, b.kv_allocated_len], t64(320, 200), locs)
     assert [rid for rid, _ in drifted] == ["a"] and "verify rows" in drifted[0][1]
     assert int((env.alloc.translate_to_physical(locs[0]) != 0).sum()) == 0
     written = env.coord.host_bytes_written
-    env.coord.verify.commit(rpi, [320, 200], locs)
+    env.coord.verify.commit()
     assert env.coord.host_bytes_written - written == N * env.coord.item_size_bytes * 2
     monkeypatch.undo()
     with speculative_server_args():

@@ -40,7 +40,7 @@ from sglang_hisparse.arg_rules import (
     dsa_row_bytes,
     find_problems,
 )
-from sglang_hisparse.config import HiSparseConfig, env_problems
+from sglang_hisparse.config import EXPERIMENTAL_MTP_ENV, HiSparseConfig, env_problems
 from sglang_hisparse.config import parse_hisparse_config as parse_hisparse_config_text
 from sglang_hisparse.dsa_backends import dsa_backend_for
 
@@ -115,6 +115,8 @@ def speculative_args(server_args) -> SpeculativeArgs | None:
         spec_v2=releases.current.speculative_v2_worker(),
         overlap_plan_stream=bool(envs.SGLANG_ENABLE_OVERLAP_PLAN_STREAM.get()),
         page_size=int(server_args.page_size or 1),
+        experimental=(releases.current.speculative_seams_wired()
+                      and os.environ.get(EXPERIMENTAL_MTP_ENV) == "1"),
     )
 
 

@@ -3,7 +3,8 @@
 * :class:`HiSparseCoordinator` - class REPLACE of 0.5.13's coordinator, built
   by ``ModelRunner`` (``model_runner.py:818``) with 0.5.13's fixed keyword
   set. It reads what that constructor cannot pass (the swap-in block size
-  from ``--hisparse-config``, whether this is a PD decode node) from the
+  from ``--hisparse-config``, whether this is a PD decode node, the draft
+  tokens of a speculative verify step) from the
   process-wide server args and hands them to the engine's coordinator, which
   never touches SGLang itself.
 * :func:`model_runner_max_token_pool_size` - PROPERTY getter for
@@ -42,6 +43,17 @@ def configured_swap_in_block_size(server_args) -> Optional[int]:
 def is_pd_decode(server_args) -> bool:
     """True on a PD decode node (``--disaggregation-mode decode``)."""
     return server_args is not None and str(getattr(server_args, "disaggregation_mode", "")) == "decode"
+
+
+def configured_draft_tokens(server_args) -> int:
+    """Rows per request of each swap-in: ``--speculative-num-draft-tokens``
+    under speculative decoding (its verify steps), else 1."""
+    if server_args is None:
+        return 1
+    from sglang_hisparse.adapter.args import speculative_args
+
+    spec = speculative_args(server_args)
+    return spec.draft_tokens if spec is not None else 1
 
 
 def build_host_pool(allocator, host_to_device_ratio: int):
@@ -99,6 +111,8 @@ class HiSparseCoordinator(Coordinator):
         if swap_in_block_size is None:
             swap_in_block_size = configured_swap_in_block_size(server_args)
         engine_options["swap_in_block_size"] = swap_in_block_size
+        if engine_options.get("draft_tokens") is None:
+            engine_options["draft_tokens"] = configured_draft_tokens(server_args)
         if engine_options.get("pd_decode") is None:
             engine_options["pd_decode"] = is_pd_decode(server_args)
         if engine_options.get("host_pool") is None:

@@ -2,14 +2,31 @@
 
 The data plane's side of a verify step is :mod:`sglang_hisparse.engine.verify`
 and the union swap-in (``draft_tokens`` rows per request). This module holds
-the hooks on 0.5.13's speculative classes that feed them; each is a
-manifest entry. Speculative decoding with ``--enable-hisparse`` is still
-refused by the argument rules until every seam of the verify step is wired
-(``arg_rules.speculative_problems``), so these hooks are inert in serving
-today; their tests drive SGLang's own functions on CPU.
+the hooks on 0.5.13's speculative classes and model runner that feed them;
+each is a manifest entry. A step runs through them in this order:
+
+1. ``ScheduleBatch.prepare_for_decode`` -> :func:`eagle_prepare_for_decode`:
+   the spec reserve takes logical slots only.
+2. the draft model runs on its own pool, indexed by logical ids
+   (:func:`draft_runner_without_hisparse`, :func:`draft_pool_for_logical_ids`).
+3. ``prepare_for_v2_verify`` -> :func:`map_verify_slots`: the verify slots
+   point at hot-buffer rows before the target's forward writes them.
+4. the target's forward: ``get_indexer_metadata`` ->
+   :func:`verify_indexer_metadata` keeps the top-k as token positions, and
+   ``forward_extend`` (a source patch) resolves them with the union swap-in.
+5. ``sample`` -> :func:`commit_verify_slots`: the verified tokens go through
+   to host and the verify slots are unmapped.
+
+The joining batch's draft state (the FutureMap hand-off) is in the
+``_build_hisparse_decode_batch`` source patch. Speculative decoding with
+``--enable-hisparse`` is refused by the argument rules unless
+SGLANG_HISPARSE_EXPERIMENTAL_MTP=1 (until its GPU proof), so in serving these
+hooks are inert unless a verify step exists.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 
 def eagle_prepare_for_decode(original, self, batch):
@@ -24,3 +41,73 @@ def eagle_prepare_for_decode(original, self, batch):
         return original(self, batch)
     with alloc.logical_only():
         return original(self, batch)
+
+
+def _verify_step(batch):
+    coordinator = getattr(batch, "hisparse_coordinator", None)
+    return None if coordinator is None else coordinator.verify
+
+
+def map_verify_slots(result, self, req_to_token_pool, batch, target_worker):
+    """AFTER ``EagleVerifyInputV2Mixin.prepare_for_v2_verify`` (0.5.13
+    ``eagle_info_v2.py:376``): it has set ``out_cache_loc`` to the verify
+    positions' logical slots (``seq_lens .. seq_lens + n``); the forward that
+    writes them runs after it returns, on the same stream."""
+    step = _verify_step(batch)
+    if step is not None and not batch.forward_mode.is_idle():
+        reqs = batch.reqs
+        step.map_slots([r.req_pool_idx for r in reqs], [r.kv_allocated_len for r in reqs],
+                       batch.seq_lens, batch.out_cache_loc)
+    return None
+
+
+def commit_verify_slots(result, self, batch, logits_output, vocab_mask=None):
+    """AFTER ``EagleVerifyInputV2Mixin.sample`` (0.5.13 ``eagle_info_v2.py:445``,
+    called right after the target's verify forward, ``eagle_worker_v2.py:1270``):
+    the verified tokens' KV is written; the commit queues their write-through
+    and unmaps the verify slots, whatever was accepted."""
+    step = _verify_step(batch)
+    if step is not None:
+        step.commit()
+    return None
+
+
+def verify_indexer_metadata(result, self, layer_id, forward_batch):
+    """AFTER ``DeepseekSparseAttnBackend.get_indexer_metadata`` (0.5.13
+    ``dsa_backend.py:2326``): 0.5.13 forces the unfused top-k (token
+    positions, which the swap-in resolves) for decode only; a verify step's
+    rows need it as well, or the fused kernel returns logical slots."""
+    if (self.hisparse_coordinator is None or result.force_unfused_topk
+            or not forward_batch.forward_mode.is_target_verify()):
+        return None
+    return dataclasses.replace(result, force_unfused_topk=True)
+
+
+def draft_runner_without_hisparse(self, *args, **kwargs):
+    """BEFORE ``ModelRunner.initialize`` (0.5.13 ``model_runner.py:632``): the
+    draft (NextN) runner copies ``enable_hisparse`` from the server args and
+    would build a second coordinator and host pool over the target's shared
+    allocator (sglang#23153). The draft keeps its whole KV on the GPU in its
+    own pool (one layer), so it runs without HiSparse."""
+    if getattr(self, "is_draft_worker", False):
+        self.enable_hisparse = False
+    return None
+
+
+def draft_pool_for_logical_ids(original, self):
+    """AROUND ``ModelRunnerKVCacheMixin._init_pools`` (0.5.13
+    ``model_runner_kv_cache_mixin.py:292``): the draft runner sizes its pool
+    with the target's device token count, but the shared allocator hands out
+    logical slots up to the host-backed logical space, which the draft's
+    writes index; its pool spans that space. (Its memory is not in the
+    target's profile: a one-layer pool, host_to_device_ratio times the
+    device pool's token count.)"""
+    alloc = getattr(self, "token_to_kv_pool_allocator", None)
+    if not getattr(self, "is_draft_worker", False) or not hasattr(alloc, "logical_capacity"):
+        return original(self)
+    device_tokens = self.max_total_num_tokens
+    self.max_total_num_tokens = alloc.logical_capacity
+    try:
+        return original(self)
+    finally:
+        self.max_total_num_tokens = device_tokens

@@ -13,17 +13,29 @@ positions from these slots:
   newest-token page of the padded buffer);
 * a long request puts position ``S + j`` at slot ``B + j`` of that page.
 
-:meth:`VerifyStep.map_slots` runs before the forward: it grows short
-buffers, takes host rows for all ``n`` positions (admission reserved them:
-the spec reserve is part of ``kv_allocated_len``) and points the verify
-slots' mapping at those rows. :meth:`VerifyStep.commit` runs once the
-forward has written them, whatever was accepted: it writes all ``n``
-positions through to their host rows on the backup stream and unmaps the
-verify slots. Rejected positions land in host rows no reader sees (past the
-committed length) and are written again by the step that commits them, so
-the commit needs no accept length on the CPU and no device sync. The next
-``map_slots`` orders the forward after that copy, since its verify slots
-are the ones being copied.
+Under 0.5.13's overlap scheduler the CPU does not know ``S`` when it
+prepares a verify step: the previous step's accept lengths are still on the
+GPU (``kv_committed_len`` lags by a step). ``S`` is therefore read only on
+the device (the batch's ``seq_lens``), and the CPU works from the upper
+bound it does know, ``kv_allocated_len`` (the spec reserve covers every
+position the step can write, ``S + n <= kv_allocated_len``):
+
+:meth:`VerifyStep.map_slots` runs before the forward. On the CPU it takes
+host rows up to ``kv_allocated_len`` and grows short buffers as far (at most
+to the padded buffer); on the device it points the verify slots' mapping at
+``slot(S + j)``'s row. :meth:`VerifyStep.commit` runs once the forward has
+written them, whatever was accepted: it writes all ``n`` positions through
+to their host rows on the backup stream and unmaps the verify slots, all in
+stream order with no sync and no accept length on the CPU. Rejected
+positions land in host rows and slots no reader sees (at or past the new
+committed length) and are written again by the step that commits them. The
+next ``map_slots`` orders the forward after that copy, since its verify
+slots may be the ones being copied.
+
+Growing a short buffer past ``S`` marks slots whose position is not yet
+written as holding it; a row of length ``S + j + 1`` selects nothing past
+``S + j``, and ``S .. S + j`` are this step's in-place writes, so such a
+slot is never read before the step that writes it.
 
 A step needs no state of its own (:mod:`.state`): between the two calls
 the request is HOT, and a finish, abort or retraction in between releases
@@ -36,7 +48,8 @@ its own rows: residency is off under speculation until that path lands).
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -56,10 +69,9 @@ class VerifyStep:
         self.coord = coord
         self.draft_tokens = draft_tokens
         self._offsets = torch.arange(draft_tokens, dtype=torch.int64, device=coord.device)
-        # The step in flight: request slot -> committed length of the
-        # requests map_slots mapped (commit writes those back, no others: a
-        # request that got no host rows has none to write to).
-        self._mapped: dict[int, int] = {}
+        # The step in flight: what map_slots mapped (commit writes those back,
+        # no others: a request that got no host rows has none to write to).
+        self._step: Optional[_MappedStep] = None
 
     def _hot_rows(self, req_pool_indices: Sequence[int]) -> List[int]:
         """Batch rows of the requests that decode from a hot buffer."""
@@ -67,73 +79,78 @@ class VerifyStep:
         return [b for b, idx in enumerate(req_pool_indices)
                 if (rec := record(int(idx))) is not None and rec.state is _HOT]
 
-    def _slots(self, picks, req_pool_indices, committed):
-        """(request slots [k], committed lengths [k], hot-buffer slots [k, n])."""
-        dev = self.coord.device
-        idx = torch.tensor([int(req_pool_indices[b]) for b in picks], dtype=torch.int64, device=dev)
-        seq = torch.tensor([int(committed[b]) for b in picks], dtype=torch.int64, device=dev)
-        B = self.coord.device_buffer_size
-        positions = seq[:, None] + self._offsets
-        slots = torch.where(seq[:, None] < B, positions, B + self._offsets)
-        return idx, seq, slots
-
-    def map_slots(self, req_pool_indices: Sequence[int], committed: Sequence[int],
-                  verify_locs: torch.Tensor) -> None:
-        """Before the verify forward. ``req_pool_indices`` and ``committed``
-        (S per request) are the batch's CPU values; ``verify_locs`` [bs, n]
-        the logical slots the forward writes (0.5.13's ``out_cache_loc``,
-        request-major)."""
+    def map_slots(self, req_pool_indices: Sequence[int], allocated_lens: Sequence[int],
+                  committed: torch.Tensor, verify_locs: torch.Tensor) -> None:
+        """Before the verify forward. ``req_pool_indices`` and
+        ``allocated_lens`` (``kv_allocated_len``) are the batch's CPU values;
+        ``committed`` (S per request, the batch's ``seq_lens``) and
+        ``verify_locs`` ([bs, n] or [bs * n], request-major as 0.5.13's
+        ``out_cache_loc``: the logical slots the forward writes) stay on the
+        device."""
         c, n = self.coord, self.draft_tokens
         if c.exactness is not None and not c.exactness.armed:
             c.exactness.arm()  # graph capture is over (decode arms it in map_last_loc_to_buffer)
         c.streams.wait_for_pending_backup()  # the last commit still reads these slots
-        self._mapped = {}
+        self._step = None
         picks = self._hot_rows(req_pool_indices)
-        B = c.device_buffer_size
-        short = [(int(committed[b]) + n, int(req_pool_indices[b])) for b in picks
-                 if int(committed[b]) < B]
-        if short:
-            c._grow_device_buffers([s for s, _ in short], [i for _, i in short])
-        kept = []
+        width = c.req_to_host_pool.size(1) - c.page_size
+        full = c.padded_buffer_size
+        grow_to, grow_idx, kept = [], [], []
         for b in picks:
-            idx, seq = int(req_pool_indices[b]), int(committed[b])
-            rows = c.mem_pool_host.try_alloc_paged_token_slots(
-                c.req_to_host_pool, c.req_to_host_pool_allocated_len, idx, seq, n)
-            if rows is None:
+            idx, upper = int(req_pool_indices[b]), min(int(allocated_lens[b]), width)
+            if int(c.tables.buffer_size_np[idx]) < full:
+                grow_to.append(upper)
+                grow_idx.append(idx)
+            have = int(c.tables.host_len_np[idx])
+            if upper > have and c.mem_pool_host.try_alloc_paged_token_slots(
+                    c.req_to_host_pool, c.req_to_host_pool_allocated_len, idx, have,
+                    upper - have) is None:
                 c._drift(c.requests.record(idx).req, "host pool exhausted for verify rows")
                 continue
             kept.append(b)
-            self._mapped[idx] = seq
+        if grow_to:
+            c._grow_device_buffers(grow_to, grow_idx)
         if not kept:
             return
-        idx, seq, slots = self._slots(kept, req_pool_indices, committed)
+        dev = verify_locs.device
+        sel = torch.tensor(kept, dtype=torch.int64, device=dev)
+        idx = torch.tensor([int(req_pool_indices[b]) for b in kept], dtype=torch.int64, device=dev)
+        seq = committed.to(torch.int64)[sel]
+        B = c.device_buffer_size
+        positions = seq[:, None] + self._offsets
+        slots = torch.where(seq[:, None] < B, positions, B + self._offsets)
         rows = c.req_to_device_buffer[idx[:, None], slots]
-        sel = torch.tensor(kept, dtype=torch.int64, device=verify_locs.device)
-        c._mapping()[verify_locs[sel].reshape(-1)] = rows.reshape(-1)
-        long = seq >= B
-        if bool(long.any()):
-            # The kernel reads a verified position's row from slot_locs.
-            c.req_device_buffer_token_locs[:, idx[long], B:B + n] = rows[long].to(torch.int32)
+        locs = verify_locs.reshape(-1, n)[sel]
+        c._mapping()[locs.reshape(-1)] = rows.reshape(-1)
+        # commit reads the same tensors: batch.seq_lens moves on before it runs.
+        self._step = _MappedStep(idx=idx, positions=positions, rows=rows, locs=locs,
+                                 count=len(kept))
 
-    def commit(self, req_pool_indices: Sequence[int], committed: Sequence[int],
-               verify_locs: torch.Tensor) -> None:
+    def commit(self) -> None:
         """After the verify forward (queued in stream order; no sync): all
-        ``n`` positions through to host, the verify slots unmapped."""
-        c, n = self.coord, self.draft_tokens
-        mapped = self._mapped
-        picks = [b for b in self._hot_rows(req_pool_indices)
-                 if mapped.get(int(req_pool_indices[b])) == int(committed[b])]
-        self._mapped = {}
-        if not picks:
+        ``n`` positions of the requests ``map_slots`` mapped through to host,
+        their verify slots unmapped."""
+        c, n, step = self.coord, self.draft_tokens, self._step
+        self._step = None
+        if step is None:
             return
-        idx, seq, slots = self._slots(picks, req_pool_indices, committed)
-        dev_rows = c.req_to_device_buffer[idx[:, None], slots].reshape(-1)
-        host_rows = c.req_to_host_pool[idx[:, None], seq[:, None] + self._offsets].reshape(-1)
+        host_rows = c.req_to_host_pool[step.idx[:, None], step.positions].reshape(-1)
+        dev_rows = step.rows.reshape(-1)
         c.streams.wait_for_pending_backup()
         with c.streams.begin_write_through():
             c.mem_pool_host.backup_from_device_all_layer(
                 c.mem_pool_device, host_rows, dev_rows, io_backend="kernel")
             c.streams.end_write_through(host_rows, dev_rows)
-        c.host_bytes_written += len(picks) * n * c.item_size_bytes * c.layer_num
-        sel = torch.tensor(picks, dtype=torch.int64, device=verify_locs.device)
-        c._mapping()[verify_locs[sel].reshape(-1)] = 0
+        c.host_bytes_written += step.count * n * c.item_size_bytes * c.layer_num
+        c._mapping()[step.locs.reshape(-1)] = 0
+
+
+@dataclass(frozen=True)
+class _MappedStep:
+    """What map_slots mapped, for commit: request slots [k], positions,
+    device rows and logical verify slots [k, n]."""
+    idx: torch.Tensor
+    positions: torch.Tensor
+    rows: torch.Tensor
+    locs: torch.Tensor
+    count: int

@@ -20,7 +20,9 @@ Every module offers the same names:
 * ``dsa_backend_defaults`` - the hook installed over the release's HiSparse
   DSA backend defaults (manifest entry ``apply_hisparse_dsa_backend_defaults``);
 * ``speculative_v2_worker()`` - whether speculative decoding runs the V2
-  (FutureMap) worker.
+  (FutureMap) worker;
+* ``speculative_seams_wired()`` - whether our verify-step seams exist for
+  the release (MTP can then be let through by SGLANG_HISPARSE_EXPERIMENTAL_MTP).
 """
 
 from __future__ import annotations

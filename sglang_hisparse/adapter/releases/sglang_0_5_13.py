@@ -47,3 +47,8 @@ def speculative_v2_worker() -> bool:
     from sglang.srt.environ import envs
 
     return bool(envs.SGLANG_ENABLE_SPEC_V2.get())
+
+
+def speculative_seams_wired() -> bool:
+    # the verify step's seams are wired for 0.5.13's EAGLE v2 worker (adapter/speculative.py).
+    return True

@@ -61,3 +61,9 @@ def speculative_v2_worker() -> bool:
     # SGLANG_ENABLE_SPEC_V2 is gone: speculative decoding always runs the V2
     # worker (0.5.15.post1 arg_groups/speculative_hook.py:73-80).
     return True
+
+
+def speculative_seams_wired() -> bool:
+    # 0.5.15 reshaped the spec reserve (speculative.eagle_utils.eagle_prepare_for_decode) and its
+    # verify seams are not wired yet.
+    return False
