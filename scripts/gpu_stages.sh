@@ -84,7 +84,9 @@
 #   mtp       MTP (EAGLE) with HiSparse behind SGLANG_HISPARSE_EXPERIMENTAL_MTP:
 #             e2e_gpu.py --mtp GF_MTP (1,1,2: steps, top-k, draft tokens) on
 #             the kit model given a NextN layer, configs GF_MTP_CONFIGS
-#             (ours,base), workloads GF_MTP_WORKLOADS (smoke), with --check;
+#             (ours,base), workloads GF_MTP_WORKLOADS (smoke), with --check,
+#             --hisparse-config GF_MTP_HS if set (4 draft tokens need a hot
+#             buffer of >= 4 x 2048);
 #             capped at GF_MTP_CAP_S (420 s). ~2.5 min per launch cold.
 #   jit       save_jit_cache: the kernel caches as jitcache.tar.xz (split in
 #             15 MiB parts when larger; not returned above ~45 MiB). Run
@@ -337,7 +339,8 @@ decode_cmd() {
 
 mtp_cmd() {
   "${E2E[@]}" --configs "${GF_MTP_CONFIGS:-ours,base}" --workloads "${GF_MTP_WORKLOADS:-smoke}" \
-    --mtp "${GF_MTP:-1,1,2}" --check --warmup 0 --out "$RUN/mtp.json" --logs "$RUN/mtp"
+    --mtp "${GF_MTP:-1,1,2}" ${GF_MTP_HS:+--hisparse-config "$GF_MTP_HS"} --check --warmup 0 \
+    --out "$RUN/mtp.json" --logs "$RUN/mtp"
 }
 
 kbench_cmd() {
