@@ -20,7 +20,10 @@ Every module offers the same names:
 * ``dsa_backend_defaults`` - the hook installed over the release's HiSparse
   DSA backend defaults (manifest entry ``apply_hisparse_dsa_backend_defaults``);
 * ``speculative_v2_worker()`` - whether speculative decoding runs the V2
-  (FutureMap) worker.
+  (FutureMap) worker;
+* ``dsv4_kv_mode(pool)`` - how a ``DeepSeekV4TokenToKVPool`` lays out its
+  KV: ``"paged"`` (separate paged SWA, C4 and C128 pools) or ``"unified"``
+  (0.5.14's one buffer per layer with the SWA window as a per-request ring).
 """
 
 from __future__ import annotations

@@ -47,3 +47,9 @@ def speculative_v2_worker() -> bool:
     from sglang.srt.environ import envs
 
     return bool(envs.SGLANG_ENABLE_SPEC_V2.get())
+
+
+def dsv4_kv_mode(pool) -> str:
+    # 0.5.13 has one DeepSeek-V4 layout: paged SWA, C4 and C128 pools
+    # (unified KV arrived in 0.5.14).
+    return "paged"
