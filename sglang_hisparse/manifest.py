@@ -166,6 +166,7 @@ _DECODE = "sglang.srt.disaggregation.decode"
 _PREALLOC = f"{_DECODE}.DecodePreallocQueue"
 _DECODE_MIXIN = f"{_DECODE}.SchedulerDisaggregationDecodeMixin"
 _DSA = "sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend"
+_DISAGG_UTILS = "sglang.srt.disaggregation.utils"
 _SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
 
 # Our side, as named in relied_on_by.
@@ -174,6 +175,7 @@ _ALLOC = "sglang_hisparse.pools.allocator:HiSparseDualAllocator"
 _RETAIN = "sglang_hisparse.engine.policies.retain_on_retract:RetainOnRetract"
 _DEMAND = "sglang_hisparse.adapter.scheduler:scheduler_prefill_demand"
 _COUNT = "sglang_hisparse.engine.streams:RealRequestCount"
+_DRAFT_SWA = "sglang_hisparse.adapter.disaggregation_dsv4:register_draft_swa_state"
 
 # Everything the loader installs.
 HOOKS: tuple[Entry, ...] = (
@@ -731,6 +733,39 @@ HOOKS: tuple[Entry, ...] = (
         tests=("tests/test_speculative_seams.py", "tests/test_allocator.py",
                "tests/test_device_pool.py", "tests/test_dsv4.py"),
     ),
+    # --- PD disaggregation with a draft model, DeepSeek-V4 (HiSparse or not).
+    Entry(
+        target=f"{_DISAGG_UTILS}.setup_state_kv_args",
+        kind=Kind.AFTER,
+        sha256=None,
+        why=(
+            "With EAGLE/MTP on both PD sides of DeepSeek-V4, the prefill computes the draft "
+            "NextN layer's SWA KV for the prompt, but the transfer registers only the target "
+            "pool's state (an SWA-only draft has no contiguous KV either), so decode starts "
+            "with the draft's window missing or stale and early drafts are accepted less "
+            "often. Ours checks that the draft is SWA-only and shares the target's KV mode, "
+            "full-to-SWA mapping and page geometry (a start-up RuntimeError names every "
+            "difference), then registers the draft's SWA buffers as an SWA state component "
+            "of their own after the target's. Whether HiSparse is on does not matter (it "
+            "leaves the SWA pools alone); prefill and decode both need the plugin, since "
+            "components are matched by position."
+        ),
+        native_in="0.5.16",
+        impl="sglang_hisparse.adapter.disaggregation_dsv4:register_draft_swa_state",
+        upstream=(
+            "0.5.16 srt/disaggregation/utils.py:951-1025 (paged: StateType.SWA, as ours; "
+            "unified KV: StateType.SWA_RING, which ours leaves as the release has it)"
+        ),
+        scope=Scope.ALWAYS,
+        removal=(
+            "drop on a pin >= 0.5.16 (native there), with the DEPENDS entries only "
+            "adapter.disaggregation_dsv4 relies on"
+        ),
+        process=Process.SCHEDULER,
+        tests=("tests/test_dsv4_draft_swa.py",),
+        # 0.5.16 registers the draft itself: no later pin hashes it.
+        until="0.5.15.post1",
+    ),
     # --- the native comparison mode (SGLANG_HISPARSE_NATIVE=1) only.
     Entry(
         target="sglang.srt.managers.hisparse_coordinator.HiSparseCoordinator.swap_in_selected_pages",
@@ -778,6 +813,12 @@ def _depends(
             "the code that relies on it"
         ),
     )
+
+
+def _draft_swa_depends(target: str, why: str, tests: tuple[str, ...] = ()) -> Entry:
+    """A dependency of the DeepSeek-V4 draft's SWA registration: an ALWAYS
+    hook, so checked with or without our data plane."""
+    return _depends(target, why, (_DRAFT_SWA,), scope=Scope.ALWAYS, tests=tests)
 
 
 # DEPENDS: the SGLang code our code is called from or mirrors, hashed so that
@@ -1065,17 +1106,22 @@ DEPENDS: tuple[Entry, ...] = (
     _depends(
         f"{_PREALLOC}._init_kv_manager",
         "the KV transfer target is coordinator.mem_pool_host's contiguous buffers "
-        "(DSv4: device tail after mem_pool_host.layer_num)",
+        "(DSv4: device tail after mem_pool_host.layer_num); setup_state_kv_args gets the "
+        "draft pool",
         (
             "sglang_hisparse.pools.host:HiSparseMLAHostPool",
             "sglang_hisparse.pools.host:HiSparseC4HostPool",
+            _DRAFT_SWA,
         ),
+        scope=Scope.ALWAYS,
     ),
     _depends(
         f"{_PREALLOC}.pop_preallocated",
         "request budget = hisparse_attn_allocator.available_size() // "
-        "padded_buffer_size - transfer queue; indices paged by hisparse_page_size",
-        (f"{_ALLOC}.available_size", _COORD),
+        "padded_buffer_size - transfer queue; indices paged by hisparse_page_size; "
+        "every SWA state gets the window's SWA pages",
+        (f"{_ALLOC}.available_size", _COORD, _DRAFT_SWA),
+        scope=Scope.ALWAYS,
     ),
     _depends(
         f"{_PREALLOC}._allocatable_token_budgets",
@@ -1112,6 +1158,39 @@ DEPENDS: tuple[Entry, ...] = (
         "a prebuilt batch that becomes the running batch gets hisparse_coordinator set "
         "(prepare_for_decode reads it)",
         (f"{_COORD}.map_last_loc_to_buffer",),
+    ),
+    # --- PD with a DeepSeek-V4 draft: what the draft's SWA component relies on.
+    _draft_swa_depends(
+        f"{_DISAGG_UTILS}.append_state_component",
+        "appends one component (type, ptrs, lens, item lens, dims) to kv_args' parallel "
+        "state lists; prefill and decode pair components by position",
+        ("tests/test_dsv4_draft_swa.py",),
+    ),
+    _draft_swa_depends(
+        "sglang.srt.mem_cache.deepseek_v4_memory_pool.DeepSeekV4TokenToKVPool.get_state_buf_infos",
+        "state buffers: the SWA pool's per-layer page buffers, then the compress states "
+        "(none for an SWA-only draft)",
+        ("tests/test_dsv4_draft_swa.py",),
+    ),
+    _draft_swa_depends(
+        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
+        "prefill: setup_state_kv_args(kv_args, target pool, draft pool, ...) once, before "
+        "the KV manager is built",
+    ),
+    _draft_swa_depends(
+        "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.send_kv_chunk",
+        "prefill: every SWA state component gets the window's SWA pages through the "
+        "target's translate_loc_from_full_to_swa",
+    ),
+    _draft_swa_depends(
+        "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.maybe_send_extra",
+        "Mooncake sends every SWA state component page by page with its own pointers and "
+        "item lengths",
+    ),
+    _draft_swa_depends(
+        "sglang.srt.disaggregation.nixl.conn.NixlKVManager.maybe_send_extra",
+        "NIXL sends every SWA state component page by page with its own pointers and item "
+        "lengths",
     ),
     _depends(
         "sglang.srt.managers.scheduler_pp_mixin.SchedulerPPMixin.process_decode_transfer_queue",

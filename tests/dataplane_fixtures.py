@@ -119,6 +119,51 @@ def installed_server_args(args):
         sa.set_global_server_args_for_scheduler(before)
 
 
+def dsv4_pool(*, compression_ratios, swa_size, c4_size=0, c128_size=0, state_pool_size=0,
+              page_size=256, swa_page_size=256, enable_hisparse=False):
+    """A real ``DeepSeekV4TokenToKVPool`` on CPU: one layer per compress ratio,
+    fp8 KV as uint8, fp32 compress states, DeepSeek-V4's head dims. The
+    defaults are what 0.5.13's model runner gives a draft (NextN) pool: page
+    256 for both the full and the SWA pages, no C4, C128 or state pool."""
+    import inspect
+
+    from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
+    from sglang.srt.server_args import ServerArgs
+
+    # One state dtype (0.5.13) or one per compressed state pool (0.5.15): as
+    # the release's own constructor names it.
+    params = inspect.signature(DeepSeekV4TokenToKVPool.__init__).parameters
+    state_dtypes = ({"state_dtype": torch.float32} if "state_dtype" in params else
+                    {"c4_state_dtype": torch.float32, "c128_state_dtype": torch.float32})
+    # The pool reads the process-wide server args (ring sizes, fp4 indexer)
+    # while it is built.
+    with installed_server_args(ServerArgs(model_path="dummy")):
+        return DeepSeekV4TokenToKVPool(
+            max_num_reqs=8, swa_size=swa_size, c4_size=c4_size, c128_size=c128_size,
+            c4_state_pool_size=state_pool_size, c128_state_pool_size=state_pool_size,
+            page_size=page_size, swa_page_size=swa_page_size, dtype=torch.uint8,
+            **state_dtypes, qk_nope_head_dim=448, qk_rope_head_dim=64, indexer_head_dim=128,
+            layer_num=len(compression_ratios), device="cpu", enable_memory_saver=False,
+            compression_ratios=list(compression_ratios), enable_hisparse=enable_hisparse,
+        )
+
+
+@contextlib.contextmanager
+def our_c4_pool_as_native():
+    """The native ``HiSparseC4DevicePool`` name pointed at ours for the block,
+    the way the class REPLACE does it (a HiSparse pool built inside gets ours)."""
+    import sglang.srt.mem_cache.deepseek_v4_memory_pool as dsv4_pool_mod
+
+    from sglang_hisparse.pools.device_c4 import DSV4C4DevicePool
+
+    saved = dsv4_pool_mod.HiSparseC4DevicePool
+    dsv4_pool_mod.HiSparseC4DevicePool = DSV4C4DevicePool
+    try:
+        yield
+    finally:
+        dsv4_pool_mod.HiSparseC4DevicePool = saved
+
+
 def speculative_server_args():
     """The default ServerArgs as a speculative (EAGLE) server resolves them:
     release_kv_cache then frees the spec reserve past the committed length

@@ -15,8 +15,9 @@ import torch
 from conftest import run_python
 from dataplane_fixtures import (
     decode_step,
-    installed_server_args,
+    dsv4_pool,
     make_req,
+    our_c4_pool_as_native,
     prefill,
     release,
     req_pool,
@@ -36,32 +37,12 @@ PADDED = HOT + CPS
 def build(c4_dev=C4_DEV):
     """DeepSeekV4TokenToKVPool(enable_hisparse=True) with our C4 pool, SGLang's SWA
     allocator and our allocator around it (what the 0.5.13 mixin does)."""
-    import sglang.srt.mem_cache.deepseek_v4_memory_pool as dsv4_pool_mod
     from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
-    from sglang.srt.server_args import ServerArgs
 
-    # The pool reads the process-wide server args (ring size, fp4 indexer) while
-    # it is built; the native class name is pointed at ours the way class
-    # REPLACE does it. Both are put back afterwards.
-    saved_cls = dsv4_pool_mod.HiSparseC4DevicePool
-    dsv4_pool_mod.HiSparseC4DevicePool = DSV4C4DevicePool
-    # One state dtype (0.5.13) or one per compressed state pool (0.5.15): as
-    # the release's own constructor names it.
-    params = inspect.signature(dsv4_pool_mod.DeepSeekV4TokenToKVPool.__init__).parameters
-    state_dtypes = ({"state_dtype": torch.float32} if "state_dtype" in params else
-                    {"c4_state_dtype": torch.float32, "c128_state_dtype": torch.float32})
-    try:
-        with installed_server_args(ServerArgs(model_path="dummy")):
-            pool = dsv4_pool_mod.DeepSeekV4TokenToKVPool(
-                max_num_reqs=8, swa_size=SWA, c4_size=c4_dev, c128_size=FULL // 128,
-                c4_state_pool_size=16, c128_state_pool_size=16, page_size=PS,
-                swa_page_size=SWA_PS, dtype=torch.uint8, **state_dtypes,
-                qk_nope_head_dim=448, qk_rope_head_dim=64, indexer_head_dim=128,
-                layer_num=4, device="cpu", enable_memory_saver=False,
-                compression_ratios=[0, 4, 128, 4], enable_hisparse=True,
-            )
-    finally:
-        dsv4_pool_mod.HiSparseC4DevicePool = saved_cls
+    with our_c4_pool_as_native():
+        pool = dsv4_pool(compression_ratios=[0, 4, 128, 4], swa_size=SWA, c4_size=c4_dev,
+                         c128_size=FULL // 128, state_pool_size=16, page_size=PS,
+                         swa_page_size=SWA_PS, enable_hisparse=True)
     swa = SWATokenToKVPoolAllocator(FULL, SWA, page_size=PS, dtype=torch.uint8, device="cpu",
                                     kvcache=pool, need_sort=False)
     return pool, DSV4HiSparseAllocator(swa)

@@ -9,7 +9,8 @@ from sglang_hisparse.adapter import releases
 from sglang_hisparse.pinned_source import sglang_version
 
 NAMES = ("prefill_len", "set_prefill_range", "sparse_config", "native_max_token_pool_size",
-         "dsa_backend_defaults", "speculative_v2_worker", "speculative_seams_wired")
+         "dsa_backend_defaults", "speculative_v2_worker", "speculative_seams_wired",
+         "dsv4_kv_mode")
 
 
 def test_every_pin_has_a_module_and_each_offers_the_same_names():

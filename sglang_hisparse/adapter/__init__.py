@@ -8,6 +8,8 @@ new pin or a new SGLang seam is a change here:
 * :mod:`.scheduler` - the scheduler's abort and batch selection;
 * :mod:`.model_runner` - the coordinator SGLang builds, ``max_token_pool_size``;
 * :mod:`.metrics` - the decode log line, pool stats, Prometheus;
+* :mod:`.disaggregation_dsv4` - PD with a DeepSeek-V4 draft: the draft's SWA
+  state in the transfer (with or without HiSparse);
 * :mod:`.sglang_classes` - the SGLang base classes our pools derive from;
 * :mod:`.hook_registry` - installing hooks through SGLang's ``HookRegistry``;
 * :mod:`.releases` - what differs per pinned release (one module per release

@@ -22,7 +22,10 @@ Every module offers the same names:
 * ``speculative_v2_worker()`` - whether speculative decoding runs the V2
   (FutureMap) worker;
 * ``speculative_seams_wired()`` - whether our verify-step seams exist for
-  the release (MTP can then be let through by SGLANG_HISPARSE_EXPERIMENTAL_MTP).
+  the release (MTP can then be let through by SGLANG_HISPARSE_EXPERIMENTAL_MTP);
+* ``dsv4_kv_mode(pool)`` - how a ``DeepSeekV4TokenToKVPool`` lays out its
+  KV: ``"paged"`` (separate paged SWA, C4 and C128 pools) or ``"unified"``
+  (0.5.14's one buffer per layer with the SWA window as a per-request ring).
 """
 
 from __future__ import annotations

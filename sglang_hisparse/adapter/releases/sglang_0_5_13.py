@@ -52,3 +52,9 @@ def speculative_v2_worker() -> bool:
 def speculative_seams_wired() -> bool:
     # the verify step's seams are wired for 0.5.13's EAGLE v2 worker (adapter/speculative.py).
     return True
+
+
+def dsv4_kv_mode(pool) -> str:
+    # 0.5.13 has one DeepSeek-V4 layout: paged SWA, C4 and C128 pools
+    # (unified KV arrived in 0.5.14).
+    return "paged"

@@ -13,7 +13,11 @@ What changed from 0.5.13 for us (read from the release's source):
   ``hisparse_hook._hisparse_default_backend(kv_cache_dtype)`` for one backend
   and sets it for whichever of prefill/decode the user left unset;
 * ``ModelRunner.max_token_pool_size`` falls back to the SWA size when a
-  hybrid-SWA model has no full pool.
+  hybrid-SWA model has no full pool;
+* ``DeepSeekV4TokenToKVPool`` can lay its KV out unified (one buffer per
+  layer, the SWA window a ring per request slot; ``_unified_kv``, set from
+  ``is_unified_kv_triton()``: HIP with
+  ``SGLANG_HACK_FLASHMLA_BACKEND=unified_kv_triton`` only).
 """
 
 from __future__ import annotations
@@ -67,3 +71,8 @@ def speculative_seams_wired() -> bool:
     # 0.5.15 reshaped the spec reserve (speculative.eagle_utils.eagle_prepare_for_decode) and its
     # verify seams are not wired yet.
     return False
+
+
+def dsv4_kv_mode(pool) -> str:
+    # 0.5.15.post1 deepseek_v4_memory_pool.py:566: the pool's own switch.
+    return "unified" if pool._unified_kv else "paged"
