@@ -20,7 +20,9 @@ Every module offers the same names:
 * ``dsa_backend_defaults`` - the hook installed over the release's HiSparse
   DSA backend defaults (manifest entry ``apply_hisparse_dsa_backend_defaults``);
 * ``speculative_v2_worker()`` - whether speculative decoding runs the V2
-  (FutureMap) worker.
+  (FutureMap) worker;
+* ``decode_host_transfer_backends()`` - the ``--disaggregation-transfer-backend``
+  values whose decode side can receive into HiSparse's host pool.
 """
 
 from __future__ import annotations

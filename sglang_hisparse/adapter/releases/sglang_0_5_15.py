@@ -61,3 +61,13 @@ def speculative_v2_worker() -> bool:
     # SGLANG_ENABLE_SPEC_V2 is gone: speculative decoding always runs the V2
     # worker (0.5.15.post1 arg_groups/speculative_hook.py:73-80).
     return True
+
+
+def decode_host_transfer_backends() -> tuple[str, ...]:
+    # 0.5.15.post1 tells NIXL which KV buffers are host memory: the decode
+    # marks HiSparse's host pool "DRAM" (decode.py:408-412, kv_data_mem_kinds,
+    # sglang#27563) and the connector registers and transfers by that kind
+    # (nixl/conn.py:1228-1245); it refuses heterogeneous TP into host memory
+    # itself (nixl/conn.py:985-989). mori still registers every KV buffer as
+    # GPU memory (mori/conn.py _register_local_buffers).
+    return sglang_0_5_13.decode_host_transfer_backends() + ("nixl",)
