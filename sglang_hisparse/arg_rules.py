@@ -52,6 +52,13 @@ class HiSparseArgumentError(ValueError):
         super().__init__(message)
 
 
+# The --disaggregation-transfer-backend values whose decode side receives
+# into whatever memory it is given, in every pinned release: Mooncake
+# registers plain pointers and finds where each lives (0.5.13
+# mooncake/conn.py:241-262; mooncake_tcp is it over TCP), fake moves nothing.
+HOST_TRANSFER_BACKENDS = ("mooncake", "mooncake_tcp", "fake")
+
+
 @dataclass(frozen=True)
 class HiSparseServerArgs:
     model_architecture: str | None
@@ -68,6 +75,11 @@ class HiSparseServerArgs:
     disaggregation_mode: str  # --disaggregation-mode: "null", "prefill" or "decode"
     # What sizes this node's pinned host pools (None: not estimated, no check).
     host_memory: HostMemoryInputs | None = None
+    # --disaggregation-transfer-backend (as SGLang resolved it: mooncake_tcp
+    # reads mooncake), and the backends whose decode side this release lets
+    # receive into host memory (adapter/releases: decode_host_transfer_backends).
+    transfer_backend: str = "mooncake"
+    decode_host_transfer_backends: tuple[str, ...] = HOST_TRANSFER_BACKENDS
 
 
 @dataclass(frozen=True)
@@ -150,6 +162,19 @@ def find_problems(args: HiSparseServerArgs) -> tuple[list[str], HiSparseConfig |
             "decode yet (a retracted request's C4 KV cannot be kept on host); supported: "
             "DeepSeek-V4 without --disaggregation-mode decode, or --disaggregation-mode "
             "decode with a DSA model (DeepSeek-V3.2, GLM-5)"
+        )
+    # A HiSparse PD decode node receives the prefill's KV straight into the
+    # pinned host pool (0.5.13 decode.py:392-399). A connector that registers
+    # every KV buffer as GPU memory (0.5.13's NIXL: "VRAM", sglang#27563;
+    # mori: MemoryLocationType.GPU) would hand the NIC a host address as
+    # device memory: refused here, before anything is registered.
+    if (args.disaggregation_mode == "decode"
+            and args.transfer_backend not in args.decode_host_transfer_backends):
+        problems.append(
+            "--enable-hisparse on a PD decode node (--disaggregation-mode decode) needs "
+            f"--disaggregation-transfer-backend in {list(args.decode_host_transfer_backends)}, "
+            f"got {args.transfer_backend}: the KV arrives in HiSparse's pinned host pool, "
+            f"which this release's {args.transfer_backend} connector registers as GPU memory"
         )
     if args.model_family is ModelFamily.DSA:
         problems += _dsa_kv_problems(args)

@@ -12,6 +12,10 @@ install (``impl``) or ``hash only`` with what relies on it (DEPENDS), why
 ``--verbose`` adds the full text, each REPLACE's behaviour lines, the tests
 that cover the entry and where upstream did it.
 
+On the running install it then reports the PD transfer engine (Mooncake):
+the installed build and version, whether it imports (the loader's error if
+not) and which transports it can use (:mod:`sglang_hisparse.transfer_engine`).
+
 ``--kernels`` compiles the swap-in kernel variants a server with that
 ``--kernel-config`` (the ``--hisparse-config`` keys) and ``--kv-cache-dtype``
 would build at its first decode step, so a node can warm its JIT cache.
@@ -141,6 +145,13 @@ def run_doctor(root: Path | None, out=sys.stdout, verbose: bool = False) -> int:
         f"{len(depends) - failures['dependencies']} of {len(depends)} dependencies)",
         file=out,
     )
+    if not foreign:
+        # This node's PD transport. Informational: a colocated server needs no
+        # transfer engine, so it does not change the exit status.
+        from sglang_hisparse import transfer_engine
+
+        for line in transfer_engine.status_lines(transfer_engine.status()):
+            print(line, file=out)
     return 0 if supported and bad == 0 else 1
 
 

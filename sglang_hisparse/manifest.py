@@ -169,7 +169,13 @@ _DSA = "sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend"
 _DISAGG_UTILS = "sglang.srt.disaggregation.utils"
 _SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
 
+_CONN = "sglang.srt.disaggregation"
+
 # Our side, as named in relied_on_by.
+_HOST_BACKENDS_0_5_13 = (
+    "sglang_hisparse.adapter.releases.sglang_0_5_13:decode_host_transfer_backends")
+_HOST_BACKENDS_0_5_15 = (
+    "sglang_hisparse.adapter.releases.sglang_0_5_15:decode_host_transfer_backends")
 _COORD = "sglang_hisparse.adapter.model_runner:HiSparseCoordinator"
 _ALLOC = "sglang_hisparse.pools.allocator:HiSparseDualAllocator"
 _RETAIN = "sglang_hisparse.engine.policies.retain_on_retract:RetainOnRetract"
@@ -1107,13 +1113,33 @@ DEPENDS: tuple[Entry, ...] = (
         f"{_PREALLOC}._init_kv_manager",
         "the KV transfer target is coordinator.mem_pool_host's contiguous buffers "
         "(DSv4: device tail after mem_pool_host.layer_num); setup_state_kv_args gets the "
-        "draft pool",
+        "draft pool; from 0.5.15 it marks them DRAM for NIXL (kv_data_mem_kinds)",
         (
             "sglang_hisparse.pools.host:HiSparseMLAHostPool",
             "sglang_hisparse.pools.host:HiSparseC4HostPool",
             _DRAFT_SWA,
+            _HOST_BACKENDS_0_5_15,
         ),
         scope=Scope.ALWAYS,
+    ),
+    # --- the transfer backends a HiSparse decode may use (arg_rules: the
+    # KV lands in host memory; adapter/releases: decode_host_transfer_backends).
+    *(
+        _depends(f"{_CONN}.{target}", why, relied_on_by, scope=Scope.ALWAYS, tests=(test,))
+        for target, why, relied_on_by, test in (
+            ("mooncake.conn.MooncakeKVManager.register_buffer_to_engine",
+             "Mooncake registers the KV buffers as plain pointers (batch_register), "
+             "wherever they live: the host pool is a valid target",
+             (_HOST_BACKENDS_0_5_13,), "tests/test_pd_transfer.py"),
+            ("nixl.conn.NixlKVManager.register_buffer_to_engine",
+             "0.5.13 registers every KV buffer as VRAM (HiSparse decode refused with "
+             "nixl); 0.5.15.post1 by kv_data_mem_kinds (DRAM for the host pool: accepted)",
+             (_HOST_BACKENDS_0_5_13, _HOST_BACKENDS_0_5_15), "tests/test_arg_hooks.py"),
+            ("mori.conn.MoriKVManager._register_local_buffers",
+             "mori registers every KV buffer as MemoryLocationType.GPU (HiSparse decode "
+             "refused with mori)",
+             (_HOST_BACKENDS_0_5_13,), "tests/test_arg_hooks.py"),
+        )
     ),
     _depends(
         f"{_PREALLOC}.pop_preallocated",

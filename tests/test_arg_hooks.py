@@ -119,6 +119,15 @@ def cases_with_plugin(dirs) -> dict:
         # PD decode: DSA models retract to host; DeepSeek-V4 cannot (yet).
         "pd_decode_dsa": dsv32("--disaggregation-mode", "decode"),
         "pd_decode_deepseek_v4": v4("--disaggregation-mode", "decode"),
+        # The decode receives into the host pool; which connectors can, per release.
+        "pd_decode_nixl": dsv32("--disaggregation-mode", "decode",
+                                "--disaggregation-transfer-backend", "nixl"),
+        "pd_decode_mori": dsv32("--disaggregation-mode", "decode",
+                                "--disaggregation-transfer-backend", "mori"),
+        "pd_decode_mooncake_tcp": dsv32("--disaggregation-mode", "decode",
+                                        "--disaggregation-transfer-backend", "mooncake_tcp"),
+        "pd_prefill_nixl": dsv32("--disaggregation-mode", "prefill",
+                                 "--disaggregation-transfer-backend", "nixl"),
         # 10^9 device-pool tokens x ratio 2 x 1152 B x 4 layers x 8 ranks:
         # about 67 TiB of pinned host memory, more than any node has. (No GPU
         # here, so only --max-total-tokens sizes the pool.)
@@ -341,6 +350,26 @@ def test_deepseek_v4_on_a_pd_decode_node_is_refused(ours):
     assert ours["pd_decode_dsa"]["ok"], ours["pd_decode_dsa"]
 
 
+def test_a_pd_decode_node_needs_a_connector_that_receives_into_host_memory(ours):
+    # 0.5.13 NIXL and mori register every KV buffer as GPU memory; from 0.5.15
+    # NIXL is told the host pool is DRAM (adapter/releases).
+    from sglang_hisparse.adapter import releases
+
+    allowed = releases.current.decode_host_transfer_backends()
+    for backend in ("nixl", "mori"):
+        case = ours[f"pd_decode_{backend}"]
+        if backend in allowed:
+            assert case["ok"], case
+        else:
+            rejected(case, "--disaggregation-mode decode",
+                     f"--disaggregation-transfer-backend in {list(allowed)}",
+                     f"got {backend}", "pinned host pool", "GPU memory")
+    assert "mori" not in allowed and "mooncake" in allowed
+    # mooncake_tcp is mooncake over TCP; a prefill node sends from its GPU pool.
+    assert ours["pd_decode_mooncake_tcp"]["ok"], ours["pd_decode_mooncake_tcp"]
+    assert ours["pd_prefill_nixl"]["ok"], ours["pd_prefill_nixl"]
+
+
 def test_pinned_host_memory_beyond_the_node_is_refused_before_weights_load(ours):
     message = rejected(ours["host_memory_beyond_the_node"], "--hisparse-config",
                        "host_to_device_ratio 2 needs about", "GiB of pinned host memory",
@@ -422,6 +451,21 @@ def test_rules_refuse_deepseek_v4_on_a_pd_decode_node_only():
     for mode in ("null", "prefill"):
         assert find_problems(_dsa_args(**v4, disaggregation_mode=mode))[0] == []
     assert find_problems(_dsa_args(disaggregation_mode="decode"))[0] == []
+
+
+def test_rules_refuse_a_decode_transfer_backend_the_release_cannot_receive_host_kv_with():
+    from sglang_hisparse.arg_rules import HOST_TRANSFER_BACKENDS, find_problems
+
+    problems, _ = find_problems(_dsa_args(disaggregation_mode="decode", transfer_backend="nixl"))
+    assert len(problems) == 1, problems
+    assert "--disaggregation-transfer-backend in ['mooncake', 'mooncake_tcp', 'fake']" \
+        in problems[0] and "got nixl" in problems[0]
+    with_nixl = HOST_TRANSFER_BACKENDS + ("nixl",)
+    assert find_problems(_dsa_args(disaggregation_mode="decode", transfer_backend="nixl",
+                                   decode_host_transfer_backends=with_nixl))[0] == []
+    # Only the decode receives into the host pool.
+    for mode in ("null", "prefill"):
+        assert find_problems(_dsa_args(disaggregation_mode=mode, transfer_backend="nixl"))[0] == []
 
 
 def test_the_buffer_under_speculation_defaults_to_one_top_k_past_the_rows():

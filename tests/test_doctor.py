@@ -173,3 +173,29 @@ def test_doctor_kernels_warms_the_variant_a_server_builds():
     assert "skip_io=False" in compiled[0]
     assert not any("copy_planned(" in line for line in compiled)
 
+
+
+# --- the PD transfer engine section (tests/test_pd_transfer.py loads the real one)
+
+
+def test_transfer_engine_lines_say_what_is_missing_and_how_it_was_told(tmp_path):
+    from sglang_hisparse import transfer_engine as te
+
+    missing = te.status_lines(te.EngineStatus([], "not installed"))
+    assert any('pip install "sglang-hisparse[pd]"' in line for line in missing), missing
+
+    broken = te.status_lines(te.EngineStatus(
+        [("mooncake-transfer-engine", "0.3.13.post1")],
+        "ImportError: libcudart.so.12: cannot open shared object file"))
+    text = "\n".join(broken)
+    assert "mooncake-transfer-engine 0.3.13.post1 (CUDA 12" in text
+    assert "import    FAIL ImportError: libcudart.so.12" in text
+    assert "apt-get install libibverbs1 ibverbs-providers" in text
+    torch_cuda = te._torch_cuda()
+    if torch_cuda and not torch_cuda.startswith("12"):
+        assert "install mooncake-transfer-engine-cuda13 instead" in text
+
+    # RDMA is offered only where the kernel lists a verbs device.
+    (tmp_path / "mlx5_0").mkdir()
+    assert te.verbs_devices(str(tmp_path)) == ["mlx5_0"]
+    assert te.verbs_devices(str(tmp_path / "absent")) == []

@@ -71,6 +71,8 @@ def hisparse_server_args(
     """Plain values for the rules. ``read_meminfo`` (the text of /proc/meminfo)
     and ``device_memory_capacity`` (one GPU's capacity in MiB, SGLang's
     ``get_device_memory_capacity``) are injectable for tests."""
+    from sglang_hisparse.adapter import releases
+
     model_config = server_args.get_model_config()
     hf_config = model_config.hf_config
     architectures = getattr(hf_config, "architectures", None) or [None]
@@ -88,6 +90,8 @@ def hisparse_server_args(
         dsa_decode_backend=server_args.dsa_decode_backend,
         speculative=speculative_args(server_args),
         disaggregation_mode=str(server_args.disaggregation_mode),
+        transfer_backend=str(server_args.disaggregation_transfer_backend),
+        decode_host_transfer_backends=releases.current.decode_host_transfer_backends(),
         host_memory=host_memory_inputs(
             server_args, model_config, family,
             read_meminfo=read_meminfo, device_memory_capacity=device_memory_capacity,

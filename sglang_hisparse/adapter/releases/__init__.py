@@ -25,7 +25,9 @@ Every module offers the same names:
   the release (MTP can then be let through by SGLANG_HISPARSE_EXPERIMENTAL_MTP);
 * ``dsv4_kv_mode(pool)`` - how a ``DeepSeekV4TokenToKVPool`` lays out its
   KV: ``"paged"`` (separate paged SWA, C4 and C128 pools) or ``"unified"``
-  (0.5.14's one buffer per layer with the SWA window as a per-request ring).
+  (0.5.14's one buffer per layer with the SWA window as a per-request ring);
+* ``decode_host_transfer_backends()`` - the ``--disaggregation-transfer-backend``
+  values whose decode side can receive into HiSparse's host pool.
 """
 
 from __future__ import annotations

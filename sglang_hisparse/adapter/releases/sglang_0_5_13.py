@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from sglang_hisparse.adapter.args import apply_hisparse_dsa_backend_defaults
+from sglang_hisparse.arg_rules import HOST_TRANSFER_BACKENDS
 
 
 def prefill_len(req) -> int:
@@ -58,3 +59,12 @@ def dsv4_kv_mode(pool) -> str:
     # 0.5.13 has one DeepSeek-V4 layout: paged SWA, C4 and C128 pools
     # (unified KV arrived in 0.5.14).
     return "paged"
+
+
+def decode_host_transfer_backends() -> tuple[str, ...]:
+    """--disaggregation-transfer-backend values a HiSparse PD decode node can
+    receive its KV with (into the pinned host pool). 0.5.13's NIXL registers
+    every KV buffer as VRAM (nixl/conn.py:901) and builds VRAM-to-VRAM
+    transfers (1082-1083); mori registers them as MemoryLocationType.GPU
+    (mori/conn.py:368-375): neither is among them."""
+    return HOST_TRANSFER_BACKENDS

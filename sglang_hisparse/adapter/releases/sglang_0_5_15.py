@@ -76,3 +76,13 @@ def speculative_seams_wired() -> bool:
 def dsv4_kv_mode(pool) -> str:
     # 0.5.15.post1 deepseek_v4_memory_pool.py:566: the pool's own switch.
     return "unified" if pool._unified_kv else "paged"
+
+
+def decode_host_transfer_backends() -> tuple[str, ...]:
+    # 0.5.15.post1 tells NIXL which KV buffers are host memory: the decode
+    # marks HiSparse's host pool "DRAM" (decode.py:408-412, kv_data_mem_kinds,
+    # sglang#27563) and the connector registers and transfers by that kind
+    # (nixl/conn.py:1228-1245); it refuses heterogeneous TP into host memory
+    # itself (nixl/conn.py:985-989). mori still registers every KV buffer as
+    # GPU memory (mori/conn.py _register_local_buffers).
+    return sglang_0_5_13.decode_host_transfer_backends() + ("nixl",)
