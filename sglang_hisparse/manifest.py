@@ -1111,9 +1111,8 @@ DEPENDS: tuple[Entry, ...] = (
     # --- PD decode (disaggregation/decode.py, scheduler_pp_mixin.py).
     _depends(
         f"{_PREALLOC}._init_kv_manager",
-        "the KV transfer target is coordinator.mem_pool_host's contiguous buffers "
-        "(DSv4: device tail after mem_pool_host.layer_num); setup_state_kv_args gets the "
-        "draft pool; from 0.5.15 it marks them DRAM for NIXL (kv_data_mem_kinds)",
+        "transfers into coordinator.mem_pool_host's buffers (DSv4: device tail after its "
+        "layers), DRAM for NIXL from 0.5.15; setup_state_kv_args gets the draft pool",
         (
             "sglang_hisparse.pools.host:HiSparseMLAHostPool",
             "sglang_hisparse.pools.host:HiSparseC4HostPool",
