@@ -128,6 +128,25 @@ def test_every_accept_length_reads_and_writes_back_exactly(seed):
     assert env.drained()
 
 
+def test_a_request_released_between_map_and_commit_is_not_written_back():
+    """The commit writes only requests still decoding: one finished after
+    map_slots has no host rows left (they went back to the pool)."""
+    env = Env(phys=2048, draft_tokens=N)
+    a, b = env.staged("a", 300), env.staged("b", 200)
+    env.coord.collect_ready_reqs()
+    locs = reserved_verify_locs(env, (a, b), (300, 200))
+    env.coord.verify.map_slots([a.req_pool_idx, b.req_pool_idx],
+                               [a.kv_allocated_len, b.kv_allocated_len], t64(300, 200), locs)
+    with speculative_server_args():
+        env.finish(a)
+    written = env.coord.host_bytes_written
+    env.coord.verify.commit()
+    assert env.coord.host_bytes_written - written == N * env.coord.item_size_bytes * env.pool.layer_num
+    with speculative_server_args():
+        env.finish(b)
+    assert env.drained()
+
+
 @pytest.mark.parametrize("when", ["after_map", "after_commit"])
 def test_finish_or_abort_mid_step_returns_everything(when):
     env = Env(phys=2048, draft_tokens=N)

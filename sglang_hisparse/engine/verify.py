@@ -124,7 +124,7 @@ class VerifyStep:
         c._mapping()[locs.reshape(-1)] = rows.reshape(-1)
         # commit reads the same tensors: batch.seq_lens moves on before it runs.
         self._step = _MappedStep(idx=idx, positions=positions, rows=rows, locs=locs,
-                                 count=len(kept))
+                                 req_slots=tuple(int(req_pool_indices[b]) for b in kept))
 
     def commit(self) -> None:
         """After the verify forward (queued in stream order; no sync): all
@@ -134,6 +134,18 @@ class VerifyStep:
         self._step = None
         if step is None:
             return
+        # 0.5.13 commits right after the verify forward, before any finish or
+        # retraction of that step; a request released in between anyway has
+        # no host rows left to write to.
+        live = [k for k, idx in enumerate(step.req_slots)
+                if (rec := c.requests.record(idx)) is not None and rec.state is _HOT]
+        if len(live) < len(step.req_slots):
+            if not live:
+                return
+            sel = torch.tensor(live, dtype=torch.int64, device=step.idx.device)
+            step = _MappedStep(idx=step.idx[sel], positions=step.positions[sel],
+                               rows=step.rows[sel], locs=step.locs[sel],
+                               req_slots=tuple(step.req_slots[k] for k in live))
         host_rows = c.req_to_host_pool[step.idx[:, None], step.positions].reshape(-1)
         dev_rows = step.rows.reshape(-1)
         c.streams.wait_for_pending_backup()
@@ -141,16 +153,16 @@ class VerifyStep:
             c.mem_pool_host.backup_from_device_all_layer(
                 c.mem_pool_device, host_rows, dev_rows, io_backend="kernel")
             c.streams.end_write_through(host_rows, dev_rows)
-        c.host_bytes_written += step.count * n * c.item_size_bytes * c.layer_num
+        c.host_bytes_written += len(step.req_slots) * n * c.item_size_bytes * c.layer_num
         c._mapping()[step.locs.reshape(-1)] = 0
 
 
 @dataclass(frozen=True)
 class _MappedStep:
-    """What map_slots mapped, for commit: request slots [k], positions,
-    device rows and logical verify slots [k, n]."""
+    """What map_slots mapped, for commit: request slots [k] (on the device
+    and as CPU ints), positions, device rows and logical verify slots [k, n]."""
     idx: torch.Tensor
     positions: torch.Tensor
     rows: torch.Tensor
     locs: torch.Tensor
-    count: int
+    req_slots: tuple
