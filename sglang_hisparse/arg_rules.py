@@ -27,6 +27,7 @@ from sglang_hisparse.dsa_backends import (
 )
 from sglang_hisparse.config import (
     FLAG,
+    SHARED_HOST_POOL_ENV,
     HiSparseConfig,
     HiSparseConfigError,
     parse_hisparse_config,
@@ -80,6 +81,11 @@ class HiSparseServerArgs:
     # receive into host memory (adapter/releases: decode_host_transfer_backends).
     transfer_backend: str = "mooncake"
     decode_host_transfer_backends: tuple[str, ...] = HOST_TRANSFER_BACKENDS
+    # SGLANG_HISPARSE_SHARED_HOST_POOL=1: one host pool per node for the local
+    # TP ranks (pools/shared_host_memory.py), and what it must run with.
+    shared_host_pool: bool = False
+    nnodes: int = 1
+    enable_dp_attention: bool = False
 
 
 @dataclass(frozen=True)
@@ -176,6 +182,8 @@ def find_problems(args: HiSparseServerArgs) -> tuple[list[str], HiSparseConfig |
             f"got {args.transfer_backend}: the KV arrives in HiSparse's pinned host pool, "
             f"which this release's {args.transfer_backend} connector registers as GPU memory"
         )
+    if args.shared_host_pool:
+        problems += shared_host_pool_problems(args)
     if args.model_family is ModelFamily.DSA:
         problems += _dsa_kv_problems(args)
     if config is not None and args.host_memory is not None:
@@ -183,6 +191,31 @@ def find_problems(args: HiSparseServerArgs) -> tuple[list[str], HiSparseConfig |
         if problem:
             problems.append(problem)
     return problems, config
+
+
+def shared_host_pool_problems(args: HiSparseServerArgs) -> list[str]:
+    """What one host pool shared by a node's TP ranks can run with."""
+    problems = []
+    lead = f"{SHARED_HOST_POOL_ENV}=1 (one host pool per node for the local TP ranks)"
+    # A PD decode node's KV lands in the host pool, sent to every TP rank: into
+    # a shared pool it would land TP times, into the same rows.
+    if args.disaggregation_mode == "decode":
+        problems.append(
+            f"{lead} does not support --disaggregation-mode decode: every TP rank would "
+            f"receive the same KV into the same shared rows (TP transfers each); unset "
+            f"{SHARED_HOST_POOL_ENV} on a PD decode node")
+    # DeepSeek-V4's C4 host pool is built per rank (not wired to the shared buffer).
+    if args.model_family is ModelFamily.DEEPSEEK_V4:
+        problems.append(f"{lead} supports DSA models only (DeepSeek-V3.2, GLM-5), "
+                        "not DeepSeek-V4")
+    # The TP group is the set of ranks that share: it must be all on one node.
+    if args.nnodes > 1:
+        problems.append(f"{lead} needs --nnodes 1 (a TP group on one node), got "
+                        f"{args.nnodes}")
+    # DP attention gives each attention-TP group its own requests (other KV).
+    if args.enable_dp_attention:
+        problems.append(f"{lead} does not support --enable-dp-attention")
+    return problems
 
 
 def speculative_problems(args: HiSparseServerArgs) -> list[str]:
@@ -344,25 +377,33 @@ class HostKVLayout:
 @dataclass(frozen=True)
 class HostMemoryInputs:
     layout: HostKVLayout
-    ranks_per_node: int  # ranks of this server on this node, each with its own host pool
+    ranks_per_node: int  # ranks of this server on this node
     available_bytes: int | None  # the node's MemAvailable (None: unknown -> no check)
     reserve_bytes: int  # kept free: HiCache's own check subtracts this from available memory
     max_total_tokens: int | None  # --max-total-tokens: an upper bound of the device pool
     gpu_memory_bytes: int | None  # one GPU's capacity (None: unknown)
     mem_fraction_static: float | None
     weight_bytes_per_rank: int | None  # None: unknown -> the pool is not estimated from GPU memory
+    # Local ranks that map one host pool: 1 (each rank pins its own), or the
+    # TP size with SGLANG_HISPARSE_SHARED_HOST_POOL=1.
+    ranks_per_host_pool: int = 1
 
 
 @dataclass(frozen=True)
 class HostMemoryEstimate:
     pool_tokens: int  # device KV pool tokens per rank
     pool_source: str  # where pool_tokens comes from, for messages
-    per_rank_bytes: int
+    per_rank_bytes: int  # one host pool (what each rank maps)
     ranks_per_node: int
+    ranks_per_host_pool: int = 1
+
+    @property
+    def host_pools_per_node(self) -> int:
+        return -(-self.ranks_per_node // max(1, self.ranks_per_host_pool))
 
     @property
     def node_bytes(self) -> int:
-        return self.per_rank_bytes * self.ranks_per_node
+        return self.per_rank_bytes * self.host_pools_per_node
 
 
 def estimate_device_pool_tokens(inputs: HostMemoryInputs) -> tuple[int, str] | None:
@@ -419,6 +460,7 @@ def estimate_host_memory(inputs: HostMemoryInputs,
         pool_tokens=tokens, pool_source=source,
         per_rank_bytes=host_bytes_per_rank(inputs.layout, tokens, host_to_device_ratio),
         ranks_per_node=inputs.ranks_per_node,
+        ranks_per_host_pool=inputs.ranks_per_host_pool,
     )
 
 
@@ -434,27 +476,32 @@ def host_memory_problem(inputs: HostMemoryInputs, host_to_device_ratio: int) -> 
     usable = inputs.available_bytes - inputs.reserve_bytes
     if estimate.node_bytes == 0 or estimate.node_bytes <= usable:
         return None
-    layout, ranks = inputs.layout, estimate.ranks_per_node
+    layout, pools = inputs.layout, estimate.host_pools_per_node
     room = max(usable, 0)
     fixes = []
     if layout.scales_with_ratio:
         lead = f"{FLAG}: host_to_device_ratio {host_to_device_ratio} needs"
         pool = (f"its device KV pool ({estimate.pool_source}) x host_to_device_ratio "
                 f"{host_to_device_ratio} x {layout.description}")
-        max_ratio = int(room // (host_bytes_per_rank(layout, estimate.pool_tokens, 1) * ranks))
+        max_ratio = int(room // (host_bytes_per_rank(layout, estimate.pool_tokens, 1) * pools))
         if max_ratio >= 1:
             fixes.append(f"set host_to_device_ratio of {FLAG} to at most {max_ratio}")
     else:
         lead = "--enable-hisparse: the host KV pools need"
         pool = f"{layout.description} of its device KV pool ({estimate.pool_source})"
-    max_tokens = int(room // (host_bytes_per_token(layout, host_to_device_ratio) * ranks))
+    max_tokens = int(room // (host_bytes_per_token(layout, host_to_device_ratio) * pools))
     fixes.append(f"cap the device pool with --max-total-tokens (at most {max_tokens} fit) "
                  "or a lower --mem-fraction-static")
     fix = "; or ".join(fixes)
+    if estimate.ranks_per_host_pool > 1:
+        per = (f"{_gib(estimate.per_rank_bytes)} GiB per host pool x {pools} host pools per "
+               f"node, each shared by {estimate.ranks_per_host_pool} TP ranks "
+               f"({SHARED_HOST_POOL_ENV}=1); each")
+    else:
+        per = f"{_gib(estimate.per_rank_bytes)} GiB per rank x {pools} ranks per node; each rank's"
     return (
         f"{lead} about {_gib(estimate.node_bytes)} GiB of pinned host memory on this node "
-        f"({_gib(estimate.per_rank_bytes)} GiB per rank x {ranks} ranks per node; each rank's "
-        f"host pool holds {pool}), but only {_gib(usable)} GiB is available (MemAvailable "
+        f"({per} host pool holds {pool}), but only {_gib(usable)} GiB is available (MemAvailable "
         f"{_gib(inputs.available_bytes)} GiB less {_gib(inputs.reserve_bytes)} GiB kept free). "
         f"{fix[0].upper()}{fix[1:]}."
     )

@@ -202,6 +202,10 @@ EXPERIMENTAL_MTP_ENV = "SGLANG_HISPARSE_EXPERIMENTAL_MTP"
 # coordinator: benchmark-only synthetic top-k (kernels/synthetic_top_k.py);
 # its values are a spec, checked by that module's parse, not a fixed list.
 SYNTHETIC_TOPK_ENV = "SGLANG_HISPARSE_SYNTHETIC_TOPK"
+# host pool (experimental, unproven on a GPU): "1" maps one shared-memory host
+# pool per node for the local TP ranks instead of one pinned pool per rank
+# (pools/shared_host_memory.py); the host-memory check then counts it once.
+SHARED_HOST_POOL_ENV = "SGLANG_HISPARSE_SHARED_HOST_POOL"
 HOST_ALLOC_MODES = ("cuda_host_alloc", "registered", "registered_thp")
 ENV_SWITCHES = {
     NATIVE_ENV: ("0", "1"),
@@ -210,6 +214,7 @@ ENV_SWITCHES = {
     PARKING_ENV: ("0", "1"),
     CHECK_ENV: ("0", "1"),
     EXPERIMENTAL_MTP_ENV: ("0", "1"),
+    SHARED_HOST_POOL_ENV: ("0", "1"),
     HOST_ALLOC_ENV: HOST_ALLOC_MODES,
 }
 

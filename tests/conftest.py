@@ -62,6 +62,33 @@ def run_python(code: str, env: dict | None = None, timeout: int = 300):
     return proc
 
 
+def run_ranks(module: str, calls: list[str], env: dict | None = None,
+              timeout: int = 600) -> list:
+    """Run ``module.<call>`` for each call (e.g. ``run_rank(0, 2, ...)``) in
+    its own interpreter at once, as the ranks of one group; return what each
+    returned (JSON), in order. A rank that fails fails the test with its stderr."""
+    import json
+
+    procs = []
+    for call in calls:
+        code = textwrap.dedent(f"""
+            import json, sys
+            sys.path.insert(0, {str(REPO / "tests")!r})
+            import {module} as t
+            print("RESULT " + json.dumps(t.{call}))
+        """)
+        procs.append(subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, cwd=str(REPO),
+                                      env={**os.environ, **(env or {})}))
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=timeout)
+        assert p.returncode == 0, err[-3000:]
+        (line,) = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+        results.append(json.loads(line[len("RESULT "):]))
+    return results
+
+
 # Other SGLang releases, installed once per session (tests/releases.py):
 # a fixture per release, named sglang_<version with dots as underscores>.
 def _release_fixture(version: str):

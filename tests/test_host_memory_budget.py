@@ -345,3 +345,59 @@ def test_dp_attention_leaves_the_weights_unestimated(sglang_server_args, v32_dir
     hs = hisparse_server_args(args, read_meminfo=meminfo(1),
                               device_memory_capacity=lambda device: 143771.0)
     assert hs.host_memory.weight_bytes_per_rank is None and find_problems(hs)[0] == []
+
+
+# --- SGLANG_HISPARSE_SHARED_HOST_POOL=1: one host pool per node ---------------
+
+
+def test_a_shared_host_pool_is_counted_once_per_node():
+    shared = inputs(ranks_per_host_pool=8)
+    estimate = estimate_host_memory(shared, 8)
+    assert estimate.node_bytes == estimate.per_rank_bytes == estimate_host_memory(
+        inputs(), 8).node_bytes // 8
+    assert host_memory_problem(shared, 8) is None  # 8 private pools did not fit (above)
+    message = host_memory_problem(replace(shared, available_bytes=200 * GIB), 8)
+    assert ("287.6 GiB per host pool x 1 host pools per node, each shared by 8 TP ranks "
+            "(SGLANG_HISPARSE_SHARED_HOST_POOL=1)") in message
+    assert "Set host_to_device_ratio of --hisparse-config to at most 5" in message
+
+
+def test_the_shared_count_through_real_server_args(sglang_server_args, v32_dir, monkeypatch):
+    from sglang_hisparse.adapter.args import hisparse_server_args
+
+    args = sglang_server_args(model_path=v32_dir, tp_size=8,
+                              hisparse_config='{"host_to_device_ratio": 8}')
+    h200 = lambda device: 143771.0  # noqa: E731
+    # About 6.8 TiB for 8 private pools (above); one shared pool is an eighth.
+    problems, _ = find_problems(hisparse_server_args(args, read_meminfo=meminfo(6000),
+                                                     device_memory_capacity=h200))
+    assert len(problems) == 1 and "8 ranks per node" in problems[0]
+    monkeypatch.setenv("SGLANG_HISPARSE_SHARED_HOST_POOL", "1")
+    hs = hisparse_server_args(args, read_meminfo=meminfo(6000), device_memory_capacity=h200)
+    assert hs.shared_host_pool and hs.host_memory.ranks_per_host_pool == 8
+    assert find_problems(hs)[0] == []
+    problems, _ = find_problems(hisparse_server_args(args, read_meminfo=meminfo(800),
+                                                     device_memory_capacity=h200))
+    assert len(problems) == 1 and "x 1 host pools per node, each shared by 8" in problems[0]
+    monkeypatch.setenv("SGLANG_HISPARSE_SHARED_HOST_POOL", "0")
+    assert hisparse_server_args(args, read_meminfo=meminfo(6000),
+                                device_memory_capacity=h200).host_memory.ranks_per_host_pool == 1
+
+
+def test_a_shared_host_pool_is_refused_where_it_cannot_share():
+    base = HiSparseServerArgs(
+        model_architecture="DeepseekV32ForCausalLM", model_family=ModelFamily.DSA,
+        model_index_topk=2048, hisparse_config=None, disable_radix_cache=True,
+        enable_mixed_chunk=False, pp_size=1, kv_cache_dtype="bfloat16",
+        dsa_prefill_backend=None, dsa_decode_backend=None, speculative=None,
+        disaggregation_mode="null", shared_host_pool=True)
+    assert find_problems(base)[0] == []
+    (problem,) = find_problems(replace(base, disaggregation_mode="decode"))[0]
+    assert "SGLANG_HISPARSE_SHARED_HOST_POOL=1" in problem
+    assert "--disaggregation-mode decode" in problem
+    assert find_problems(replace(base, disaggregation_mode="decode",
+                                 shared_host_pool=False))[0] == []
+    (problem,) = find_problems(replace(base, nnodes=2))[0]
+    assert "--nnodes 1" in problem
+    (problem,) = find_problems(replace(base, enable_dp_attention=True))[0]
+    assert "--enable-dp-attention" in problem

@@ -15,12 +15,7 @@ fail.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import textwrap
-
-from conftest import REPO
+from conftest import run_ranks
 
 LENGTHS = {"a": 300, "b": 250, "c": 200, "d": 280, "e": 150, "f": 320}
 # Three prompts early, whose copies finish while the demand still parks
@@ -81,24 +76,9 @@ def run_rank(rank: int, world: int, init_file: str, grouped: bool) -> dict:
 
 
 def _run_ranks(tmp_path, grouped: bool) -> list[dict]:
-    init = tmp_path / f"init-{grouped}"
-    procs = []
-    for rank in range(2):
-        code = textwrap.dedent(f"""
-            import json, sys
-            sys.path.insert(0, {str(REPO / "tests")!r})
-            import test_tp_consistency as t
-            print("RESULT " + json.dumps(t.run_rank({rank}, 2, {str(init)!r}, {grouped})))
-        """)
-        procs.append(subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, cwd=str(REPO)))
-    results = []
-    for p in procs:
-        out, err = p.communicate(timeout=600)
-        assert p.returncode == 0, err[-3000:]
-        (line,) = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-        results.append(json.loads(line[len("RESULT "):]))
-    return results
+    init = str(tmp_path / f"init-{grouped}")
+    return run_ranks("test_tp_consistency",
+                     [f"run_rank({rank}, 2, {init!r}, {grouped})" for rank in range(2)])
 
 
 def test_ranks_join_and_park_the_same_requests_every_step(tmp_path):

@@ -40,7 +40,12 @@ from sglang_hisparse.arg_rules import (
     dsa_row_bytes,
     find_problems,
 )
-from sglang_hisparse.config import EXPERIMENTAL_MTP_ENV, HiSparseConfig, env_problems
+from sglang_hisparse.config import (
+    EXPERIMENTAL_MTP_ENV,
+    SHARED_HOST_POOL_ENV,
+    HiSparseConfig,
+    env_problems,
+)
 from sglang_hisparse.config import parse_hisparse_config as parse_hisparse_config_text
 from sglang_hisparse.dsa_backends import dsa_backend_for
 
@@ -92,6 +97,9 @@ def hisparse_server_args(
         disaggregation_mode=str(server_args.disaggregation_mode),
         transfer_backend=str(server_args.disaggregation_transfer_backend),
         decode_host_transfer_backends=releases.current.decode_host_transfer_backends(),
+        shared_host_pool=shared_host_pool_requested(),
+        nnodes=int(server_args.nnodes),
+        enable_dp_attention=bool(server_args.enable_dp_attention),
         host_memory=host_memory_inputs(
             server_args, model_config, family,
             read_meminfo=read_meminfo, device_memory_capacity=device_memory_capacity,
@@ -162,6 +170,16 @@ def mem_available_bytes(read_meminfo: Optional[Callable[[], str]] = None) -> Opt
                 unit = parts[1].lower() if len(parts) > 1 else "b"
                 return int(parts[0]) * (1024 if unit == "kb" else 1)
     return None
+
+
+def shared_host_pool_requested() -> bool:
+    return os.environ.get(SHARED_HOST_POOL_ENV) == "1"
+
+
+def ranks_per_host_pool(server_args) -> int:
+    """Local ranks mapping one host pool: the TP group with
+    SGLANG_HISPARSE_SHARED_HOST_POOL=1 (allowed on one node only), else 1."""
+    return max(1, int(server_args.tp_size)) if shared_host_pool_requested() else 1
 
 
 def ranks_per_node(server_args) -> int:
@@ -296,6 +314,7 @@ def host_memory_inputs(
         gpu_memory_bytes=int(gpu_mib * (1 << 20)) if gpu_mib else None,
         mem_fraction_static=server_args.mem_fraction_static,
         weight_bytes_per_rank=weights,
+        ranks_per_host_pool=ranks_per_host_pool(server_args),
     )
 
 

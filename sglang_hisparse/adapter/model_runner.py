@@ -13,9 +13,11 @@
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 from sglang_hisparse.adapter import metrics, releases
+from sglang_hisparse.config import SHARED_HOST_POOL_ENV
 from sglang_hisparse.engine.coordinator import Coordinator
 
 
@@ -56,9 +58,39 @@ def configured_draft_tokens(server_args) -> int:
     return spec.draft_tokens if spec is not None else 1
 
 
-def build_host_pool(allocator, host_to_device_ratio: int):
+def shared_host_buffer_allocator(tp_group):
+    """With SGLANG_HISPARSE_SHARED_HOST_POOL=1 and more than one TP rank: the
+    function that maps this rank's view of the node's one shared host buffer
+    (pools/shared_host_memory.py); else None (a pinned pool per rank).
+
+    The arg rules allow the switch on one node only, so the TP group (SGLang
+    hands the coordinator its gloo ``cpu_group``) is the local ranks and TP
+    rank 0 is the local leader. It makes the segment's name, unique per
+    server instance, and sends it to the others over that group."""
+    if os.environ.get(SHARED_HOST_POOL_ENV) != "1" or tp_group is None:
+        return None
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size(group=tp_group) < 2:
+        return None
+    from sglang_hisparse.pools import shared_host_memory
+
+    rank, world = dist.get_rank(group=tp_group), dist.get_world_size(group=tp_group)
+    names = [shared_host_memory.new_segment_name() if rank == 0 else None]
+    dist.broadcast_object_list(names, group=tp_group, group_src=0)
+
+    def open_for_this_rank(shape, dtype, pin=True):
+        return shared_host_memory.open_shared_buffer(
+            names[0], shape, dtype, local_rank=rank, local_ranks=world, pin=pin)
+
+    return open_for_this_rank
+
+
+def build_host_pool(allocator, host_to_device_ratio: int, tp_group=None):
     """The pinned host pool for this allocator's device pool: DSA rows, or
-    DeepSeek-V4 C4 pages (``host_to_device_ratio`` x the device pool)."""
+    DeepSeek-V4 C4 pages (``host_to_device_ratio`` x the device pool). DSA
+    rows live in the node's shared buffer with SGLANG_HISPARSE_SHARED_HOST_POOL=1
+    (the arg rules refuse the switch for DeepSeek-V4)."""
     from sglang_hisparse.pools.host import HiSparseC4HostPool, HiSparseMLAHostPool
 
     compress_ratio = getattr(allocator, "compress_ratio", 1)
@@ -72,7 +104,8 @@ def build_host_pool(allocator, host_to_device_ratio: int):
     try:
         return HiSparseMLAHostPool(
             device_pool=device_pool, host_to_device_ratio=host_to_device_ratio, host_size=0,
-            page_size=device_pool.page_size, override_kv_cache_dim=device_pool.kv_cache_dim)
+            page_size=device_pool.page_size, override_kv_cache_dim=device_pool.kv_cache_dim,
+            alloc_host_buffer=shared_host_buffer_allocator(tp_group))
     except ValueError as exc:
         # HiCache's own check (memory_pool_host.py:269) names neither the key
         # nor the flag; the startup estimate should have refused this already.
@@ -81,7 +114,8 @@ def build_host_pool(allocator, host_to_device_ratio: int):
         raise ValueError(
             f"HiSparse host KV pool: {exc.args[0].split('. Please')[0]} for "
             f"{device_pool.size} device rows x host_to_device_ratio {host_to_device_ratio} "
-            f"x {device_pool.layer_num} layers; every TP rank on this node pins its own pool. "
+            f"x {device_pool.layer_num} layers; every TP rank on this node pins its own pool "
+            f"(unless {SHARED_HOST_POOL_ENV}=1). "
             "Lower host_to_device_ratio in --hisparse-config, or --max-total-tokens / "
             "--mem-fraction-static") from exc
 
@@ -117,7 +151,7 @@ class HiSparseCoordinator(Coordinator):
             engine_options["pd_decode"] = is_pd_decode(server_args)
         if engine_options.get("host_pool") is None:
             engine_options["host_pool"] = build_host_pool(
-                token_to_kv_pool_allocator, host_to_device_ratio)
+                token_to_kv_pool_allocator, host_to_device_ratio, tp_group)
         super().__init__(req_to_token_pool, token_to_kv_pool_allocator, top_k,
                          device_buffer_size, device, tp_group, host_to_device_ratio,
                          **engine_options)

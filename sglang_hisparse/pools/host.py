@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -213,7 +213,13 @@ class HiSparseMLAHostPool(PagedHostSlots, MLATokenToKVPoolHost):
         layout: str = "layer_first",
         pin_memory: Optional[bool] = None,
         override_kv_cache_dim: Optional[int] = None,
+        alloc_host_buffer: Optional[Callable[..., torch.Tensor]] = None,
     ):
+        """``alloc_host_buffer(shape, dtype, pin=...)`` makes the host buffer
+        (default :func:`host_memory.alloc_pinned`; the adapter passes a
+        shared node-wide buffer with SGLANG_HISPARSE_SHARED_HOST_POOL=1)."""
+        # Read by init_kv_buffer, which HostKVCache.__init__ calls.
+        self._alloc_host_buffer = alloc_host_buffer or host_memory.alloc_pinned
         if layout != "layer_first":
             raise ValueError("HiSparse host pool supports layout='layer_first' only")
         if pin_memory is None:
@@ -237,7 +243,7 @@ class HiSparseMLAHostPool(PagedHostSlots, MLATokenToKVPoolHost):
         dims = (self.layer_num, self.size, 1, self.kv_cache_dim)
         self.token_stride_size = self.kv_cache_dim * self.dtype.itemsize
         self.layout_dim = self.token_stride_size * self.layer_num
-        return host_memory.alloc_pinned(dims, self.dtype, pin=self.pin_memory)
+        return self._alloc_host_buffer(dims, self.dtype, pin=self.pin_memory)
 
     def _registered_buffers(self):
         return [self.kv_buffer]

@@ -109,9 +109,16 @@ def _alloc_registered(nbytes: int, dtype, shape, huge: bool) -> torch.Tensor:
         owner = torch.empty(nbytes, dtype=torch.uint8)
         address = owner.data_ptr()
     t = _wrap(address, nbytes, owner, dtype, shape)
+    _register(t, address, nbytes)
+    return t
+
+
+def _register(t: torch.Tensor, address: int, nbytes: int) -> None:
+    """Pin ``t`` (wrapping ``nbytes`` at ``address``) in place; :func:`release`
+    unpins it. Also what a shared host pool's mapping gets
+    (:mod:`sglang_hisparse.pools.shared_host_memory`)."""
     _check(torch.cuda.cudart().cudaHostRegister(address, nbytes, 0), "cudaHostRegister")
     t._hisparse_registered = True  # type: ignore[attr-defined]
-    return t
 
 
 def alloc_pinned(shape: Sequence[int], dtype: torch.dtype, *, pin: bool = True,
