@@ -533,10 +533,12 @@ class VerifyWorld:
     def call(self, top_k, reqs, seq_lens, num_real, out, **kw):
         from sglang_hisparse.kernels.bench import swap_in_bench
 
+        kw.setdefault("draft_tokens", self.n)
+
         def call():
             swap_in_bench(top_k, reqs, seq_lens, num_real, self.slot_tokens, self.slot_locs, self.lru,
                           self.host_locs, self.host_kv, self.device_kv, out, tally=self.tally,
-                          workspace=self.workspace, draft_tokens=self.n, **kw)
+                          workspace=self.workspace, **kw)
 
         return call
 
@@ -603,17 +605,11 @@ def verify_points(timer: Timer, ceiling: float, ndts, batches, misses, host_kv) 
 
 
 def world_decode(world: VerifyWorld, top_k, one):
-    from sglang_hisparse.kernels.bench import swap_in_bench
-
+    """The decode call (one row per request: each request's row 0) on the
+    verify world's buffers."""
     reqs, seq_lens, num_real, out, _ = one
     first = top_k.view(-1, world.n, TOP_K)[:, 0].contiguous()
-
-    def call():
-        swap_in_bench(first, reqs, seq_lens, num_real, world.slot_tokens, world.slot_locs, world.lru,
-                      world.host_locs, world.host_kv, world.device_kv, out, tally=world.tally,
-                      workspace=world.workspace)
-
-    return call
+    return world.call(first, reqs, seq_lens, num_real, out, draft_tokens=1)
 
 
 def rows_served(world: VerifyWorld, top_k, seq_lens, out, bs: int) -> str:

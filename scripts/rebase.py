@@ -371,18 +371,17 @@ def main(argv: list[str] | None = None) -> int:
         return print_hashes(args.hash, root)
     if root is None:
         ap.error("the new release's directory is required (DIR or --sglang-root DIR)")
-    moved = {}
-    for pair in args.moved:
-        target, sep, where = pair.partition("=")
-        if not sep or not target or not where:
-            ap.error(f"--moved takes TARGET=NEW, got {pair!r}")
-        moved[target] = where
-    ported = {}
-    for pair in args.patch:
-        target, sep, diff = pair.partition("=")
-        if not sep or not target or not diff:
-            ap.error(f"--patch takes TARGET=DIFF, got {pair!r}")
-        ported[target] = Path(diff)
+    def pairs(flag: str, values, what: str) -> dict[str, str]:
+        out = {}
+        for pair in values:
+            target, sep, value = pair.partition("=")
+            if not sep or not target or not value:
+                ap.error(f"{flag} takes TARGET={what}, got {pair!r}")
+            out[target] = value
+        return out
+
+    moved = pairs("--moved", args.moved, "NEW")
+    ported = {t: Path(d) for t, d in pairs("--patch", args.patch, "DIFF").items()}
     return rebase(root, args.write, tuple(args.accept), args.out, moved, ported)
 
 

@@ -183,6 +183,15 @@ _DEMAND = "sglang_hisparse.adapter.scheduler:scheduler_prefill_demand"
 _COUNT = "sglang_hisparse.engine.streams:RealRequestCount"
 _DRAFT_SWA = "sglang_hisparse.adapter.disaggregation_dsv4:register_draft_swa_state"
 
+def _data_plane_hook(**fields) -> Entry:
+    """Most hooks: our data plane's, installed in the scheduler processes and
+    kept while the data plane is ours (the fields each such entry shares;
+    the hashes come from the pins)."""
+    return Entry(sha256=None, native_in=None, scope=Scope.DATA_PLANE,
+                 process=Process.SCHEDULER, removal="keep while the data plane is ours",
+                 **fields)
+
+
 # Everything the loader installs.
 HOOKS: tuple[Entry, ...] = (
     Entry(
@@ -356,10 +365,9 @@ HOOKS: tuple[Entry, ...] = (
             "tests/test_disaggregation.py",
         ),
     ),
-    Entry(
+    _data_plane_hook(
         target="sglang.srt.mem_cache.hisparse_memory_pool.HiSparseDSATokenToKVPool",
         kind=Kind.REPLACE,
-        sha256=None,
         why=(
             "The last native HiSparse class on the DSA data path: the GPU pool whose "
             "latent KV is indexed by physical rows (mapping registered by our "
@@ -368,15 +376,11 @@ HOOKS: tuple[Entry, ...] = (
             "and fails with a clear error when used before a mapping is registered "
             "or asked for a retraction snapshot."
         ),
-        native_in=None,
         impl="sglang_hisparse.pools.device_dsa:HiSparseDSADevicePool",
         upstream=(
             "0.5.13 srt/mem_cache/hisparse_memory_pool.py:38-132 (the class we "
             "replace); later releases not re-checked for this entry"
         ),
-        scope=Scope.DATA_PLANE,
-        removal="keep while the data plane is ours",
-        process=Process.SCHEDULER,
         behaviour=(
             "same buffers, shapes and dtypes as 0.5.13; latent rows sized for the "
             "physical space, indexer K for the logical space",
@@ -387,22 +391,17 @@ HOOKS: tuple[Entry, ...] = (
         ),
         tests=("tests/test_device_pool.py",),
     ),
-    Entry(
+    _data_plane_hook(
         target="sglang.srt.managers.hisparse_coordinator.HiSparseCoordinator",
         kind=Kind.REPLACE,
-        sha256=None,
         why=(
             "Our coordinator: host-wait instead of a crash when the host pool is "
             "exhausted, idempotent release in every state, swap-in through "
             "sglang_hisparse.kernels, hit/miss/byte counters, destroy(); a request "
             "retracted on a PD decode node keeps its KV on host and resumes from it."
         ),
-        native_in=None,
         impl="sglang_hisparse.adapter.model_runner:HiSparseCoordinator",
         upstream="0.5.23 srt/managers/hisparse_coordinator.py:533-1637",
-        scope=Scope.DATA_PLANE,
-        removal="keep while the data plane is ours",
-        process=Process.SCHEDULER,
         behaviour=(
             "residency: a request past prefill keeps its whole KV on the GPU (no host "
             "IO, the swap-in only translates) while rows allow; when rows run short "
@@ -469,10 +468,9 @@ HOOKS: tuple[Entry, ...] = (
         process=Process.SCHEDULER,
         tests=("tests/test_coordinator.py", "tests/test_disaggregation.py"),
     ),
-    Entry(
+    _data_plane_hook(
         target=f"{_SCHED}.get_next_batch_to_run",
         kind=Kind.AROUND,
-        sha256=None,
         why=(
             "Parking needs the scheduler's pending prefill work (waiting queue, "
             "chunked request, running batch) where collect_ready_reqs runs: a "
@@ -480,12 +478,8 @@ HOOKS: tuple[Entry, ...] = (
             "waiting prompt needs, so the batch is bounded by hot buffers, not "
             "by prefill rows."
         ),
-        native_in=None,
         impl="sglang_hisparse.adapter.scheduler:scheduler_get_next_batch_to_run",
         upstream="none: 0.5.23 joins every staged request at once (srt/managers/scheduler.py:3923)",
-        scope=Scope.DATA_PLANE,
-        removal="keep while the data plane is ours",
-        process=Process.SCHEDULER,
         tests=("tests/test_parking.py",),
     ),
     Entry(
@@ -535,10 +529,9 @@ HOOKS: tuple[Entry, ...] = (
         tests=("tests/test_coordinator.py", "tests/test_metrics.py"),
     ),
     # --- data plane, DeepSeek-V4 (C4 layers): allocator and C4 device pool.
-    Entry(
+    _data_plane_hook(
         target="sglang.srt.mem_cache.hisparse_memory_pool.DeepSeekV4HiSparseTokenToKVPoolAllocator",
         kind=Kind.REPLACE,
-        sha256=None,
         why=(
             "0.5.13's allocator never frees the C4 rows of a request released before "
             "staging (finished at prefill, aborted, retracted), pins an extra C4 page "
@@ -549,12 +542,8 @@ HOOKS: tuple[Entry, ...] = (
             "need_size / c4_page_size pages and shares the DSA allocator's "
             "reservation logic (in C4 rows)."
         ),
-        native_in=None,
         impl="sglang_hisparse.pools.allocator_c4:DSV4HiSparseAllocator",
         upstream="0.5.23 srt/mem_cache/allocator/hisparse.py:302-670",
-        scope=Scope.DATA_PLANE,
-        removal="keep while the data plane is ours",
-        process=Process.SCHEDULER,
         behaviour=(
             "free() frees the C4 rows of a request released before staging "
             "(finished at prefill, aborted, retracted); 0.5.13 leaks them",
@@ -568,22 +557,17 @@ HOOKS: tuple[Entry, ...] = (
         ),
         tests=("tests/test_dsv4.py",),
     ),
-    Entry(
+    _data_plane_hook(
         target="sglang.srt.mem_cache.deepseek_v4_memory_pool.HiSparseC4DevicePool",
         kind=Kind.REPLACE,
-        sha256=None,
         why=(
             "The last native HiSparse class on the DeepSeek-V4 path: the C4 pool "
             "that translates compressed write locations to hot-buffer rows through "
             "the mapping our DSV4 allocator registers. Same buffers, data_ptrs and "
             "translation as 0.5.13; replaced so the whole C4 data plane is ours."
         ),
-        native_in=None,
         impl="sglang_hisparse.pools.device_c4:DSV4C4DevicePool",
         upstream="0.5.23 srt/mem_cache/deepseek_v4_memory_pool.py:437-527",
-        scope=Scope.DATA_PLANE,
-        removal="keep while the data plane is ours",
-        process=Process.SCHEDULER,
         behaviour=(
             "same buffers, data_ptrs and translation as 0.5.13; the mapping comes "
             "from our DSV4 allocator",
@@ -592,31 +576,25 @@ HOOKS: tuple[Entry, ...] = (
     ),
     # --- speculative decoding (MTP/EAGLE v2): still refused by the argument
     # rules; these seams are wired one by one (adapter/speculative.py).
-    Entry(
+    _data_plane_hook(
         target="sglang.srt.speculative.eagle_info_v2.EagleDraftInputV2Mixin.prepare_for_decode",
         kind=Kind.AROUND,
-        sha256=None,
         why=(
             "The spec reserve (the next draft and verify positions) goes through our "
             "allocator's alloc_extend, which would give every position a device row; the "
             "verify step maps them to hot-buffer slots, so the reserve takes logical "
             "slots only."
         ),
-        native_in=None,
         impl="sglang_hisparse.adapter.speculative:eagle_prepare_for_decode",
         upstream="0.5.23 srt/mem_cache/allocation.py:801-823 (logical-only spec reserve)",
-        scope=Scope.DATA_PLANE,
-        removal="keep while the data plane is ours",
-        process=Process.SCHEDULER,
         tests=("tests/test_verify_step.py", "tests/test_soak.py"),
         # 0.5.15 made it a module function, speculative.eagle_utils.
         # eagle_prepare_for_decode(batch): its entry comes with the MTP wiring.
         until="0.5.13.post1",
     ),
-    Entry(
+    _data_plane_hook(
         target="sglang.srt.speculative.eagle_info_v2.EagleVerifyInputV2Mixin.prepare_for_v2_verify",
         kind=Kind.AFTER,
-        sha256=None,
         why=(
             "The verify forward writes the draft tokens' KV at out_cache_loc through the "
             "allocator's mapping; the verify slots must point at hot-buffer rows first "
@@ -624,67 +602,48 @@ HOOKS: tuple[Entry, ...] = (
             "device seq_lens: under the overlap scheduler the CPU does not know the "
             "previous step's accept lengths yet."
         ),
-        native_in=None,
         impl="sglang_hisparse.adapter.speculative:map_verify_slots",
         upstream="0.5.23 srt/speculative/eagle_utils.py:365-366 (prepare), "
                  "managers/hisparse_coordinator.py:352-374",
-        scope=Scope.DATA_PLANE,
-        removal="keep while the data plane is ours",
-        process=Process.SCHEDULER,
         tests=("tests/test_verify_step.py", "tests/test_speculative_seams.py"),
         until="0.5.13.post1",
     ),
-    Entry(
+    _data_plane_hook(
         target="sglang.srt.speculative.eagle_info_v2.EagleVerifyInputV2Mixin.sample",
         kind=Kind.AFTER,
-        sha256=None,
         why=(
             "Under speculation 0.5.13 never runs map_last_loc_to_buffer, so nothing "
             "writes a verified token through to host; after the verify forward the "
             "commit queues all draft positions' write-through and unmaps the verify "
             "slots (no accept length needed on the CPU)."
         ),
-        native_in=None,
         impl="sglang_hisparse.adapter.speculative:commit_verify_slots",
         upstream="0.5.23 srt/speculative/eagle_worker_common.py:717-720 (commit)",
-        scope=Scope.DATA_PLANE,
-        removal="keep while the data plane is ours",
-        process=Process.SCHEDULER,
         tests=("tests/test_verify_step.py", "tests/test_speculative_seams.py"),
         until="0.5.13.post1",
     ),
-    Entry(
+    _data_plane_hook(
         target=f"{_DSA}.get_indexer_metadata",
         kind=Kind.AFTER,
-        sha256=None,
         why=(
             "0.5.13 forces the unfused top-k (raw token positions, what the swap-in "
             "resolves) only for decode; a verify step's rows need positions too, or the "
             "fused kernel hands back logical slots."
         ),
-        native_in=None,
         impl="sglang_hisparse.adapter.speculative:verify_indexer_metadata",
         upstream="0.5.23 srt/layers/attention/dsa_backend.py:4130-4136",
-        scope=Scope.DATA_PLANE,
-        removal="keep while the data plane is ours",
-        process=Process.SCHEDULER,
         tests=("tests/test_speculative_seams.py",),
     ),
-    Entry(
+    _data_plane_hook(
         target=f"{_DSA}.forward_extend",
         kind=Kind.SOURCE_PATCH,
-        sha256=None,
         why=(
             "0.5.13 translates every extend page table through the logical-to-row "
             "mapping, which holds no row for a token that lives on host; a verify step's "
             "rows are resolved by the union swap-in instead (swap_in_selected_pages with "
             "one row per draft token, seq_lens expanded per row)."
         ),
-        native_in=None,
         upstream="0.5.23 srt/layers/attention/dsa_backend.py:2327-2341 (spec swap)",
-        scope=Scope.DATA_PLANE,
-        removal="keep while the data plane is ours",
-        process=Process.SCHEDULER,
         behaviour=(
             "TARGET_VERIFY with HiSparse: the page table is the union swap-in's output "
             "(physical rows, int32) for the top-k positions of each verify row",
@@ -692,10 +651,9 @@ HOOKS: tuple[Entry, ...] = (
         ),
         tests=("tests/test_speculative_seams.py", "tests/test_device_pool.py"),
     ),
-    Entry(
+    _data_plane_hook(
         target=f"{_MR}.initialize",
         kind=Kind.BEFORE,
-        sha256=None,
         why=(
             "The draft (NextN) runner copies enable_hisparse from the server args and "
             "would build a second coordinator and host pool over the target's shared "
@@ -705,18 +663,13 @@ HOOKS: tuple[Entry, ...] = (
             "parse_hisparse_config, top_k = the model's index_topk."
         ),
         relied_on_by=(_COORD, "sglang_hisparse.adapter.args:parse_hisparse_config"),
-        native_in=None,
         impl="sglang_hisparse.adapter.speculative:draft_runner_without_hisparse",
         upstream="0.5.23 srt/model_executor/model_runner.py:413-415",
-        scope=Scope.DATA_PLANE,
-        removal="keep while the data plane is ours",
-        process=Process.SCHEDULER,
         tests=("tests/test_speculative_seams.py",),
     ),
-    Entry(
+    _data_plane_hook(
         target=f"{_KV_MIXIN}._init_pools",
         kind=Kind.AROUND,
-        sha256=None,
         why=(
             "The draft runner sizes its pool by the target's device token count, but "
             "the shared allocator hands out logical slots up to the host-backed logical "
@@ -730,12 +683,8 @@ HOOKS: tuple[Entry, ...] = (
             "sglang_hisparse.pools.allocator_c4:DSV4HiSparseAllocator",
             "sglang_hisparse.adapter.args:parse_hisparse_config",
         ),
-        native_in=None,
         impl="sglang_hisparse.adapter.speculative:draft_pool_for_logical_ids",
         upstream="0.5.23 srt/model_executor/kv_cache_configurator.py:729-740",
-        scope=Scope.DATA_PLANE,
-        removal="keep while the data plane is ours",
-        process=Process.SCHEDULER,
         tests=("tests/test_speculative_seams.py", "tests/test_allocator.py",
                "tests/test_device_pool.py", "tests/test_dsv4.py"),
     ),

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 from sglang_hisparse.adapter import metrics, releases
@@ -67,7 +66,9 @@ def shared_host_buffer_allocator(tp_group):
     hands the coordinator its gloo ``cpu_group``) is the local ranks and TP
     rank 0 is the local leader. It makes the segment's name, unique per
     server instance, and sends it to the others over that group."""
-    if os.environ.get(SHARED_HOST_POOL_ENV) != "1" or tp_group is None:
+    from sglang_hisparse.adapter.args import shared_host_pool_requested
+
+    if not shared_host_pool_requested() or tp_group is None:
         return None
     import torch.distributed as dist
 

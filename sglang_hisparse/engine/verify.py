@@ -113,8 +113,9 @@ class VerifyStep:
         if not kept:
             return
         dev = verify_locs.device
+        req_slots = tuple(int(req_pool_indices[b]) for b in kept)
         sel = torch.tensor(kept, dtype=torch.int64, device=dev)
-        idx = torch.tensor([int(req_pool_indices[b]) for b in kept], dtype=torch.int64, device=dev)
+        idx = torch.tensor(req_slots, dtype=torch.int64, device=dev)
         seq = committed.to(torch.int64)[sel]
         B = c.device_buffer_size
         positions = seq[:, None] + self._offsets
@@ -124,7 +125,7 @@ class VerifyStep:
         c._mapping()[locs.reshape(-1)] = rows.reshape(-1)
         # commit reads the same tensors: batch.seq_lens moves on before it runs.
         self._step = _MappedStep(idx=idx, positions=positions, rows=rows, locs=locs,
-                                 req_slots=tuple(int(req_pool_indices[b]) for b in kept))
+                                 req_slots=req_slots)
 
     def commit(self) -> None:
         """After the verify forward (queued in stream order; no sync): all
@@ -137,15 +138,11 @@ class VerifyStep:
         # 0.5.13 commits right after the verify forward, before any finish or
         # retraction of that step; a request released in between anyway has
         # no host rows left to write to.
-        live = [k for k, idx in enumerate(step.req_slots)
-                if (rec := c.requests.record(idx)) is not None and rec.state is _HOT]
+        live = self._hot_rows(step.req_slots)
         if len(live) < len(step.req_slots):
             if not live:
                 return
-            sel = torch.tensor(live, dtype=torch.int64, device=step.idx.device)
-            step = _MappedStep(idx=step.idx[sel], positions=step.positions[sel],
-                               rows=step.rows[sel], locs=step.locs[sel],
-                               req_slots=tuple(step.req_slots[k] for k in live))
+            step = step.only(live)
         host_rows = c.req_to_host_pool[step.idx[:, None], step.positions].reshape(-1)
         dev_rows = step.rows.reshape(-1)
         c.streams.wait_for_pending_backup()
@@ -166,3 +163,9 @@ class _MappedStep:
     rows: torch.Tensor
     locs: torch.Tensor
     req_slots: tuple
+
+    def only(self, keep: Sequence[int]) -> "_MappedStep":
+        """The same step for the requests at positions ``keep``."""
+        sel = torch.tensor(keep, dtype=torch.int64, device=self.idx.device)
+        return _MappedStep(idx=self.idx[sel], positions=self.positions[sel], rows=self.rows[sel],
+                           locs=self.locs[sel], req_slots=tuple(self.req_slots[k] for k in keep))
