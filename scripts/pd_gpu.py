@@ -49,12 +49,13 @@ covers its estimate, and the JSON is rewritten after each):
            request the pools back at the start (``#cpu token`` no more than
            that request's own pages, no request in prealloc, transfer or
            retracted queues)
-  faults   on pd-ours: a request aborted while its transfer is in flight
-           (client disconnect right after sending), a prompt longer than the
-           decode can hold (a clear 400 from the decode), the prefill killed
-           mid-transfer (the decode fails the transfer and serves the next
+  faults   (run last: it kills the prefill) on pd-fault (16384 device rows):
+           4 requests whose clients hang up 0.3 s in, while their transfers
+           are in flight; a prompt longer than the decode's device pool (a
+           400 naming the sizes); the prefill SIGKILLed while 8 transfers are
+           queued or in flight (the decode fails them, and serves the next
            request once a new prefill is up); each followed by a request
-           that must succeed
+           that must succeed, and at the end the pools back at the start
   capacity pd-base vs pd-cap on ``pdbound`` (32000-token prompts x 2048 out,
            --max-total-tokens 72000: pd-base holds two): decode-only tok/s
            from each decode server's log (e2e's decode-only figure), ratio
@@ -449,8 +450,8 @@ def part_exact(nodes, results, args):
     ex = exactness(ref["smoke"], got_fake["smoke"], args)
     n_same = sum(v["identical"] for v in ex["by_prompt_len"].values())
     verdict["pd-fake"] = {"exactness": ex, "identical_requests": n_same,
-                          "diverged": n_same < len(got_fake["smoke"]["requests"]) or
-                          not got_fake["smoke"]["requests"],
+                          # Only completed requests count: a crash is not a divergence.
+                          "diverged": 0 <= n_same < len(got_fake["smoke"]["requests"]),
                           "decode_log": decode_facts(fake.text(mark))}
     fake.stop()
     v = verdict["pd-ours"]
@@ -568,6 +569,7 @@ def part_faults(nodes, results, args):
         fresh = Node("prefill2", "base", prefill_flags(args), args.logs, args.model, env=PD_ENV)
         if fresh.wait_ready():
             router.prefill_url = fresh.url
+            nodes["prefill"] = fresh
             next_ok("prefill_killed")
         else:
             verdict["prefill_killed"]["next_request_ok"] = False
@@ -704,8 +706,9 @@ def main() -> int:
         if nodes.get("prefill") and nodes["prefill"].ready_s is None:
             print("prefill did not start: nothing to run", flush=True)
             return 1
+        # faults last: it kills the prefill (and starts another).
         for part, fn in (("exact", part_exact), ("retract", part_retract),
-                         ("faults", part_faults), ("capacity", part_capacity)):
+                         ("capacity", part_capacity), ("faults", part_faults)):
             if part not in args.parts:
                 continue
             left = args.budget_s - (time.time() - t0)
