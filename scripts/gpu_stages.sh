@@ -17,6 +17,7 @@
 #     && git rev-parse 1eebd12 > .bundle/ref_pkg/REF_COMMIT
 #   (build isolation fetches setuptools+wheel; the venv itself has no
 #   `wheel`, so --no-build-isolation fails here. ~0.9 MB.)
+#   bash scripts/pack_mooncake.sh                  # .bundle/mooncake.tar.xz (6.4 MiB), for pd
 #   Optional: a JIT cache brought back by the `jit` stage:
 #   cat jitcache.tar.xz.* > .bundle/jitcache.tar.xz  (counts toward the
 #   64 MiB that travels: the kit's bundle is ~45 MB of it).
@@ -88,6 +89,18 @@
 #             --hisparse-config GF_MTP_HS if set (4 draft tokens need a hot
 #             buffer of >= 4 x 2048);
 #             capped at GF_MTP_CAP_S (420 s). ~2.5 min per launch cold.
+#   pd        PD disaggregation (issue #18): scripts/pd_gpu.py on the kit model,
+#             Mooncake from .bundle/mooncake.tar.xz (scripts/pack_mooncake.sh,
+#             here; unpacked by scripts/mooncake_env.sh): a prefill server,
+#             HiSparse and plain decode servers over mooncake_tcp, a router,
+#             a colocated baseline, all launched together; parts GF_PD_PARTS
+#             (exact,retract,faults,capacity): exactness + --check + the fake
+#             control, PD retraction (forced; under host pressure), faults
+#             (abort in flight, prompt too long, prefill killed), decode-node
+#             capacity (decode-only tok/s, HiSparse / plain at 72000 tokens).
+#             Parts that no longer fit the stage's time are skipped and say
+#             so. ~2 min of launches, then ~5 min warm; run it as
+#             `pd jit` in a command of its own.
 #   jit       save_jit_cache: the kernel caches as jitcache.tar.xz (split in
 #             15 MiB parts when larger; not returned above ~45 MiB). Run
 #             last; ~0.5-1 min. Then, here:
@@ -113,8 +126,8 @@ if [ ${#STAGES[@]} -eq 0 ]; then
   exit 2
 fi
 for s in "${STAGES[@]}"; do
-  case $s in tests|bg-tests|check|fault|e2e|e2e1|e2e2|deep|trace|decode|bound|kbench|mtp|jit) ;;
-    *) echo "unknown stage $s (tests bg-tests check fault e2e e2e1 e2e2 deep trace decode bound kbench mtp jit)"; exit 2 ;;
+  case $s in tests|bg-tests|check|fault|e2e|e2e1|e2e2|deep|trace|decode|bound|kbench|mtp|pd|jit) ;;
+    *) echo "unknown stage $s (tests bg-tests check fault e2e e2e1 e2e2 deep trace decode bound kbench mtp pd jit)"; exit 2 ;;
   esac
 done
 [ -f scripts/e2e_gpu.py ] && [ -f .gpu/device_env.sh ] || {
@@ -244,6 +257,10 @@ summarize_stage() {
     kbench)
       grep -E '^( *bs|ndt| *[0-9]+ |worst|pinned|device)' "$f" | cut -c1-200
       grep -q '^ndt' "$f" || tail -15 "$f" ;;
+    pd)
+      grep -E '^\[[a-z0-9-]+\] (ready|FAILED)|^mooncake_env|Traceback' "$f" | cut -c1-300
+      sed -n '/^PD summary/,$p' "$f"
+      grep -q '^PD summary' "$f" || tail -20 "$f" ;;
     decode)
       grep -E '^\[[a-z]+\] ' "$f" | cut -c1-300
       sed -n '/^per decode step/,$p' "$f"
@@ -355,6 +372,13 @@ bound_cmd() {
     --workloads decodebound "${LONG_ARGS[@]}" --out "$RUN/bound.json" --logs "$RUN/bound"
 }
 
+pd_cmd() {  # the stage's limit in $1 (s): pd_gpu.py keeps ~40 s of it for stopping
+  source scripts/mooncake_env.sh || return 1
+  echo "mooncake_env: $(python3 -c 'import mooncake.engine as m; print(m.__file__)')"
+  python3 scripts/pd_gpu.py --parts "${GF_PD_PARTS:-exact,retract,faults,capacity}" \
+    --budget-s $(( $1 - 40 )) --out "$RUN/pd.json" --logs "$RUN/pd"
+}
+
 # `timeout` runs programs, not functions: a stage that needs a function runs
 # it in `bash -c` with the function and the variables it reads declared.
 for stage in "${STAGES[@]}"; do
@@ -404,6 +428,10 @@ trace_cmd"
     mtp)
       run_stage mtp 150 "${GF_MTP_CAP_S:-420}" bash -c "$(declare -f mtp_cmd); $(declare -p E2E RUN); mtp_cmd"
       show mtp ;;
+    pd)
+      PD_LEFT=$(( BUDGET_S - $(elapsed) - RESERVE - 45 ))
+      run_stage pd 240 560 bash -c "$(declare -f pd_cmd); $(declare -p RUN); pd_cmd $(( PD_LEFT < 560 ? PD_LEFT : 560 ))"
+      show pd ;;
     kbench)
       wait_bg
       run_stage kbench 90 300 bash -c "$(declare -f kbench_cmd); $(declare -p RUN); kbench_cmd"

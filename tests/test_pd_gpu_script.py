@@ -1,0 +1,173 @@
+"""scripts/pd_gpu.py's pure parts on the CPU: the router does what 0.5.13's
+mini load balancer does (the same body with a bootstrap room to prefill and
+decode at once, the decode's answer back, the prefill's input logprobs
+merged), the decode-log facts the PD verdicts read, and the server flags
+each PD configuration gets. The two HTTP endpoints here stand in for the
+servers' /generate (a GPU run talks to real ones)."""
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from test_gpu_scripts import SCRIPTS, _load
+
+pd = _load("pd_gpu", SCRIPTS / "pd_gpu.py")
+
+
+class Endpoint:
+    """An HTTP /generate that records what it got and answers as told."""
+
+    def __init__(self, answer, delay_s=0.0, status=200):
+        self.bodies, self.times = [], []
+        ep = self
+
+        class H(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.0"
+
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                ep.bodies.append(body)
+                ep.times.append(time.time())
+                time.sleep(delay_s)
+                self.send_response(status)
+                self.end_headers()
+                for line in answer(body):
+                    self.wfile.write(line.encode() + b"\n")
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def sse(obj):
+    return "data: " + json.dumps(obj)
+
+
+@pytest.fixture
+def pair():
+    prefill = Endpoint(lambda b: [sse({"meta_info": {"input_token_logprobs": [[None, 5], [-1.5, 6]]}}),
+                                  "data: [DONE]"], delay_s=0.3)
+    decode = Endpoint(lambda b: [sse({"output_ids": [9], "meta_info": {"input_token_logprobs": []}}),
+                                 sse({"output_ids": [9, 10], "meta_info": {}}), "data: [DONE]"])
+    router = pd.Router(pd.free_port(39000), decode.url, prefill.url, log=lambda s: None)
+    yield prefill, decode, router
+    router.close()
+    prefill.close()
+    decode.close()
+
+
+def _stream(url, body):
+    req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return [json.loads(x[5:]) for x in (l.decode().strip() for l in r)
+                if x.startswith("data:") and x != "data: [DONE]"]
+
+
+def test_router_posts_both_at_once_with_one_room_and_returns_the_decodes_stream(pair):
+    prefill, decode, router = pair
+    chunks = _stream(router.url, {"input_ids": [5, 6], "stream": True, "return_logprob": True})
+    (pb,), (db,) = prefill.bodies, decode.bodies
+    assert pb == db and pb["bootstrap_host"] == "127.0.0.1"
+    assert pb["bootstrap_port"] == pd.BOOTSTRAP_PORT and 0 <= pb["bootstrap_room"] < 2 ** 63
+    # At the same time: the prefill answers 0.3 s late, the decode was not kept waiting for it.
+    assert abs(prefill.times[0] - decode.times[0]) < 0.2
+    assert [c["output_ids"] for c in chunks] == [[9], [9, 10]]
+    # The prefill's input logprobs merged in front of the decode's (empty) ones.
+    assert chunks[0]["meta_info"]["input_token_logprobs"] == [[None, 5], [-1.5, 6]]
+    assert router.counts == {"requests": 1, "prefill_errors": 0, "decode_errors": 0}
+    assert "room=" in router.lines[0] and "prefill=200" in router.lines[0]
+
+
+def test_router_rooms_differ_and_a_decode_error_reaches_the_client():
+    prefill = Endpoint(lambda b: ["{}"])
+    decode = Endpoint(lambda b: ['{"error": "Request exceeds the maximum number of tokens"}'],
+                      status=400)
+    router = pd.Router(pd.free_port(39100), decode.url, prefill.url, log=lambda s: None)
+    try:
+        for _ in range(2):
+            with pytest.raises(urllib.error.HTTPError) as exc:
+                _stream(router.url, {"input_ids": [1]})
+            assert exc.value.code == 400 and b"maximum number of tokens" in exc.value.read()
+        assert prefill.bodies[0]["bootstrap_room"] != prefill.bodies[1]["bootstrap_room"]
+        assert router.counts["decode_errors"] == 2
+    finally:
+        router.close()
+        prefill.close()
+        decode.close()
+
+
+def test_direct_mode_sends_no_bootstrap_fields_so_a_fake_decode_moves_nothing():
+    decode = Endpoint(lambda b: [sse({"output_ids": [3]}), "data: [DONE]"])
+    router = pd.Router(pd.free_port(39200), decode.url, None, log=lambda s: None)
+    try:
+        _stream(router.url, {"input_ids": [1], "stream": True})
+        assert "bootstrap_host" not in decode.bodies[0]
+    finally:
+        router.close()
+        decode.close()
+
+
+LOG = """\
+[x] KV cache is forced as chunk cache for decode server
+[x] Testing retraction. #retracted_reqs: 2, #new_tokens_gained: 0
+[x] KV cache pool is full. Retract requests. #retracted_reqs: 1, #new_tokens_gained: 64, #new_token_ratio: 0.1 -> 0.2
+[x] Decode batch, #running-req: 6, #gpu token: 100, gpu token usage: 0.1, #cpu token: 24000, cpu token usage: 0.5, pre-allocated usage: 0.00, #prealloc-req: 1, #transfer-req: 0, #retracted-req: 2, gen throughput (token/s): 100.0
+[x] Decode batch, #running-req: 1, #gpu token: 100, gpu token usage: 0.1, #cpu token: 640, cpu token usage: 0.0, pre-allocated usage: 0.00, #prealloc-req: 0, #transfer-req: 0, #retracted-req: 0, gen throughput (token/s): 90.0
+"""
+
+
+def test_decode_facts_and_pools_back_read_the_last_decode_line():
+    f = pd.decode_facts(LOG)
+    assert f["retractions"] == 3 and f["retraction_events"] == 2 and f["max_retracted_req"] == 2
+    assert f["last_cpu_token"] == 640 and f["last_retracted_req"] == 0 and f["chunk_cache_forced"]
+    assert pd.pools_back(f) is True
+    # One more page than the probe's own on host: a leak.
+    leaked = pd.decode_facts(LOG.replace("#cpu token: 640", "#cpu token: 704"))
+    assert pd.pools_back(leaked) is False
+    stuck = pd.decode_facts(LOG.replace("#prealloc-req: 0", "#prealloc-req: 1"))
+    assert pd.pools_back(stuck) is False
+    assert pd.pools_back(pd.decode_facts("")) is None
+
+
+def test_each_pd_configuration_gets_its_flags(monkeypatch, tmp_path):
+    made = []
+
+    class Srv:
+        def __init__(self, model, port, config, extra, log, **opts):
+            made.append((config, extra, opts, dict(pd.os.environ)))
+            self.url = f"http://127.0.0.1:{port}"
+
+    monkeypatch.setattr(pd.e2e, "Server", Srv)
+    monkeypatch.setattr(pd, "_NODES", [])
+    args = type("A", (), {"model": "m", "logs": str(tmp_path), "backend": "mooncake_tcp",
+                          "check": True, "retract_interval": 50, "server_args": "",
+                          "stagger_s": 0, "parts": set(pd.ESTIMATE_S)})()
+    nodes = pd.plan_nodes(args)
+    assert list(nodes)[0] == "prefill" and len(nodes) == 9
+    by = {n: made[i] for i, n in enumerate(nodes)}
+    flags = lambda n: " ".join(by[n][1])  # noqa: E731
+    assert "--disaggregation-mode prefill" in flags("prefill") and by["prefill"][0] == "base"
+    assert "--disaggregation-bootstrap-port 8998" in flags("prefill")
+    assert "--disaggregation-transfer-backend fake" in flags("pd-fake") and by["pd-fake"][0] == "ours"
+    assert by["pd-ours"][2]["check"] is True and by["pd-cap"][2]["check"] is False
+    assert by["pd-base"][0] == "base" and "--max-total-tokens 72000" in flags("pd-base")
+    assert "--max-total-tokens 72000" in flags("pd-cap") and by["pd-cap"][0] == "ours"
+    assert by["pd-retract"][3]["SGLANG_TEST_RETRACT"] == "1"
+    assert by["pd-retract"][3]["SGLANG_TEST_RETRACT_INTERVAL"] == "50"
+    assert "SGLANG_TEST_RETRACT" not in pd.os.environ  # set only around that launch
+    assert by["pd-press"][2]["hs_config"]["host_to_device_ratio"] == 1
+    assert all(by[n][3]["SGLANG_HOST_IP"] == "127.0.0.1" for n in nodes)
+    assert "colo-base" in nodes and "--disaggregation-mode" not in flags("colo-base")
