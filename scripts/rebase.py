@@ -2,7 +2,7 @@
 """Rebase the manifest onto another SGLang release (the mechanical part).
 
     python scripts/rebase.py DIR [--write] [--accept TARGET ...] [--moved TARGET=NEW ...]
-                             [--patch TARGET=DIFF ...] [--out ROOT]
+                             [--patch TARGET=DIFF ...] [--old-root OLD_DIR] [--out ROOT]
     python scripts/rebase.py --hash TARGET... [--sglang-root DIR]
 
 DIR holds the new release's ``sglang`` package and its ``*.dist-info``
@@ -126,17 +126,19 @@ def _definitions(root: Path) -> list[tuple[str, str, int, str]]:
 _DEFINITIONS: dict = {}
 
 
-def moved_candidates(target: str, root: Path, top: int = 3, old_target: str | None = None) -> list[str]:
+def moved_candidates(target: str, root: Path, top: int = 3, old_target: str | None = None,
+                     old_root: Path | None = None) -> list[str]:
     """Where a target that is gone from its module may have gone: definitions
-    of the same name (or, failing that, in the same module or class) in the
-    new release, most alike first by their source text; for a person to
-    confirm, never applied."""
-    # Its source in the installed release (a pinned one): at the old pin's
-    # place, or where the installed release's own pin keeps it.
-    places = dict.fromkeys((old_target or target, pins.release_target(target, sglang_version())))
+    of the same name (or, failing that, in the same module or class, or
+    failing that any definition) in the new release, most alike first by
+    their source text; for a person to confirm, never applied."""
+    # Its source in the old release (``old_root``, default the installed
+    # one): at the old pin's place, or where that release's own pin keeps it.
+    places = dict.fromkeys((old_target or target,
+                            pins.release_target(target, sglang_version(old_root))))
     for place in places:
         try:
-            old = read_pinned_source(place)
+            old = read_pinned_source(place, old_root)
             break
         except TargetNotFound:
             continue
@@ -147,26 +149,34 @@ def moved_candidates(target: str, root: Path, top: int = 3, old_target: str | No
     defs = _DEFINITIONS[str(root)]
     qual = old.qualname
     leaf = qual.rsplit(".", 1)[-1]
-    same = [d for d in defs if d[0].endswith("." + qual)]
-    kind = "moved?"
-    if not same:
-        owner = target.rsplit(".", 1)[0]
-        same = [d for d in defs if d[0].rsplit(".", 1)[-1] == leaf or d[0].rsplit(".", 1)[0] == owner]
-        kind = "renamed?"
+    owner = target.rsplit(".", 1)[0]
     old_lines = old.text.splitlines()
-    scored = []
-    for dotted, name, line, text in same:
-        sm = difflib.SequenceMatcher(None, old_lines, text.splitlines(), autojunk=False)
-        if sm.real_quick_ratio() < 0.3 or sm.quick_ratio() < 0.3:
-            continue
-        scored.append((sm.ratio(), dotted, name, line))
-    scored.sort(reverse=True)
-    return [f"{kind:<9}{dotted} ({name}:{line}, {ratio:.2f} alike)"
-            for ratio, dotted, name, line in scored[:top] if ratio >= 0.3]
+    # By name first: the same qualified name elsewhere (moved), then the same
+    # leaf or the same owner (renamed, or a method that changed class), then
+    # anything of a similar size (a function folded into a new class under
+    # another name: 0.5.17's pool construction).
+    for kind, pick in (
+        ("moved?", lambda d: d[0].endswith("." + qual)),
+        ("renamed?", lambda d: d[0].rsplit(".", 1)[-1] == leaf or d[0].rsplit(".", 1)[0] == owner),
+        ("alike?", lambda d: 0.5 <= (d[3].count("\n") + 1) / (len(old_lines) + 1) <= 2.0),
+    ):
+        scored = []
+        for dotted, name, line, text in filter(pick, defs):
+            sm = difflib.SequenceMatcher(None, old_lines, text.splitlines(), autojunk=False)
+            if sm.real_quick_ratio() < 0.3 or sm.quick_ratio() < 0.3:
+                continue
+            ratio = sm.ratio()
+            if ratio >= (0.3 if kind != "alike?" else 0.5):
+                scored.append((ratio, dotted, name, line))
+        if scored:
+            scored.sort(reverse=True)
+            return [f"{kind:<9}{dotted} ({name}:{line}, {ratio:.2f} alike)"
+                    for ratio, dotted, name, line in scored[:top]]
+    return []
 
 
-def _moved_lines(target: str, root: Path, old_target: str) -> str:
-    lines = moved_candidates(target, root, old_target=old_target)
+def _moved_lines(target: str, root: Path, old_target: str, old_root: Path | None) -> str:
+    lines = moved_candidates(target, root, old_target=old_target, old_root=old_root)
     hint = f"\n           (confirm one with --moved {target}=NEW)" if lines else ""
     return "".join(f"\n           {c}" for c in lines) + hint
 
@@ -190,7 +200,8 @@ def _relied_on_by(entry) -> str:
 
 
 def rebase(root: Path, write: bool, accept: tuple[str, ...] = (), out: Path | None = None,
-           moved: dict[str, str] | None = None, ported: dict[str, Path] | None = None) -> int:
+           moved: dict[str, str] | None = None, ported: dict[str, Path] | None = None,
+           old_root: Path | None = None) -> int:
     new = sglang_version(root)
     # A pin that exists is refreshed against itself (keeping where it came
     # from); a new release is rebased from the newest pin before it (the
@@ -219,11 +230,13 @@ def rebase(root: Path, write: bool, accept: tuple[str, ...] = (), out: Path | No
         if where != e.target:
             locations[e.target] = where
         if where != where_old:
-            print(f"  moved    {e.target} -> {where} (confirmed with --moved)")
+            # Same leaf name: moved to another module or class; else renamed.
+            how = "moved  " if where.rsplit(".", 1)[-1] == where_old.rsplit(".", 1)[-1] else "renamed"
+            print(f"  {how}  {e.target} -> {where} (confirmed with --moved)")
         try:
             src = read_pinned_source(where, root)
         except TargetNotFound as exc:
-            moved_hint = _moved_lines(e.target, root, where_old)
+            moved_hint = _moved_lines(e.target, root, where_old, old_root)
             if e.kind is Kind.DEPENDS:
                 print(f"  gone     {e.target}: {exc}{moved_hint}\n{_relied_on_by(e)}")
             else:
@@ -292,10 +305,10 @@ def rebase(root: Path, write: bool, accept: tuple[str, ...] = (), out: Path | No
             diffs[e.target] = diff_text
             hashes[e.target] = src.sha256
             continue
-        installed = read_pinned_source(where_old)  # re-anchoring needs the old release's text
+        installed = read_pinned_source(where_old, old_root)  # re-anchoring needs the old text
         if installed.sha256 != e.sha256.get(old):
-            print(f"  review   {e.target}: the installed sglang is not the {old} pin; "
-                  "install it to re-anchor the patch")
+            print(f"  review   {e.target}: the {old} source is needed to re-anchor the patch: "
+                  f"give its directory with --old-root")
             needs_human += 1
             continue
         old_src = installed.text
@@ -358,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--patch", nargs="+", default=(), metavar="TARGET=DIFF",
                     help="a source patch a person ported to this release: DIFF is the "
                          "unified diff against the new source (written as its patch)")
+    ap.add_argument("--old-root", type=Path, default=None, metavar="OLD_DIR",
+                    help="the release of the pin rebased from (its sources: moved-target "
+                         "candidates, re-anchoring patches); default: the installed sglang")
     ap.add_argument("--out", type=Path, default=None, metavar="ROOT",
                     help="where pins are written (default: the package's patches/)")
     ap.add_argument("--hash", nargs="+", metavar="TARGET", default=None,
@@ -382,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
 
     moved = pairs("--moved", args.moved, "NEW")
     ported = {t: Path(d) for t, d in pairs("--patch", args.patch, "DIFF").items()}
-    return rebase(root, args.write, tuple(args.accept), args.out, moved, ported)
+    return rebase(root, args.write, tuple(args.accept), args.out, moved, ported, args.old_root)
 
 
 if __name__ == "__main__":

@@ -204,3 +204,18 @@ def test_a_renamed_target_is_offered_on_0_5_17(sglang_0_5_17):
                if ln.strip().startswith("renamed? sglang.srt.model_executor.model_runner."
                                         "ModelRunner.effective_max_total_num_tokens ")]
     assert float(line.split(", ")[-1].split()[0]) > 0.6, line
+
+
+def test_rebase_reads_the_old_release_from_old_root(sglang_0_5_17, sglang_0_5_15_post1):
+    """With --old-root the rebase needs no install of the old release: the
+    0.5.15.post1 wheel's sources re-anchor the forward_extend patch on 0.5.17
+    and name where 0.5.17 moved the allocation helpers (mem_cache/allocation.py)."""
+    proc = _rebase(str(sglang_0_5_17), "--old-root", str(sglang_0_5_15_post1))
+    assert proc.returncode == 1  # 0.5.17 still needs a person
+    assert "  reapply  sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend.forward_extend\n" \
+        in proc.stdout
+    for fn in ("alloc_paged_token_slots_extend", "alloc_paged_token_slots_decode", "alloc_for_decode"):
+        (line,) = [ln.strip() for ln in proc.stdout.splitlines()
+                   if ln.strip().startswith(f"moved?   sglang.srt.mem_cache.allocation.{fn} ")]
+        assert float(line.split(", ")[-1].split()[0]) > 0.9, line
+    assert "nothing written" not in proc.stdout and "wrote " not in proc.stdout
