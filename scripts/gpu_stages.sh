@@ -373,7 +373,7 @@ bound_cmd() {
 }
 
 pd_cmd() {  # the stage's limit in $1 (s): pd_gpu.py keeps ~40 s of it for stopping
-  source scripts/mooncake_env.sh || return 1
+  source scripts/mooncake_env.sh .bundle/mooncake.tar.xz || return 1  # explicit: a sourced file sees the function's $1
   echo "mooncake_env: $(python3 -c 'import mooncake.engine as m; print(m.__file__)')"
   python3 scripts/pd_gpu.py --parts "${GF_PD_PARTS:-exact,retract,faults,capacity}" \
     --budget-s $(( $1 - 40 )) --out "$RUN/pd.json" --logs "$RUN/pd"
