@@ -242,10 +242,11 @@ class Coordinator:
             self.prefetch = IndexSharePrefetch(
                 index_roles, max_requests=max_reqs, plan_width=self.draft_tokens * top_k,
                 device=device, streams=self.streams, skip_io=self.skip_io)
-            logger.info("HiSparse IndexShare prefetch on (%s=0 turns it off): %s",
+            # (once at start-up, at WARNING so that every server log shows it)
+            logger.warning("HiSparse IndexShare prefetch on (%s=0 turns it off): %s",
                         INDEXSHARE_PREFETCH_ENV, index_roles)
         elif index_roles is not None and index_roles.shares:
-            logger.info("HiSparse IndexShare prefetch off: %s", off)
+            logger.warning("HiSparse IndexShare prefetch off: %s", off)
 
         if hasattr(alloc, "set_reservation_provider"):
             alloc.set_reservation_provider(self._owed_tokens)
