@@ -15,6 +15,11 @@ Configurations:
   nopark  ours with SGLANG_HISPARSE_PARKING=0 (staged requests join at once)
   noio    ours with SGLANG_HISPARSE_SKIP_IO=1 (swap-in copies skipped: outputs
           invalid, timing valid; "ours / noio" is what host IO costs)
+  sync    ours with SGLANG_HISPARSE_INDEXSHARE_PREFETCH=0: on a model with
+          IndexShare layers (--index-pattern) every shared layer swaps in
+          synchronously; ours prefetches their misses. With ours, sync and
+          noio in one run, an IndexShare table gives ours / noio throughput
+          and how much of the sync - noio TPOT gap the prefetch closes
   stock   0.5.13 as shipped, plugin not loaded (expected to crash at the
           first decode step)
   ref     ours from another copy of the package (--ref-pkg DIR: a
@@ -141,16 +146,16 @@ WORKLOADS = {
     "mixed": ([[32000] * 8 + [4000] * 16], 512, _LONG),
 }
 
-CONFIGS = ("base", "native", "ours", "nopark", "noio", "stock", "ref")
+CONFIGS = ("base", "native", "ours", "nopark", "noio", "sync", "stock", "ref")
 # Configurations whose server runs this work tree's data plane, and what
 # --check must find in them: noio skips the host copies, a planted fault.
-CHECK_EXPECT = {"ours": "exact", "nopark": "exact", "noio": "mismatch"}
+CHECK_EXPECT = {"ours": "exact", "nopark": "exact", "sync": "exact", "noio": "mismatch"}
 CHECK_ENV = "SGLANG_HISPARSE_CHECK"
 EXPERIMENTAL_MTP_ENV = "SGLANG_HISPARSE_EXPERIMENTAL_MTP"
 SYNTHETIC_ENV = "SGLANG_HISPARSE_SYNTHETIC_TOPK"
 # Where --synthetic reaches: this work tree's data plane, and SGLang's own
 # through the plugin's native-mode hook (adapter/native.py).
-SYNTHETIC_CONFIGS = ("ours", "nopark", "noio", "native")
+SYNTHETIC_CONFIGS = ("ours", "nopark", "noio", "sync", "native")
 
 
 STEP_TIMER_DIR = Path(__file__).resolve().parent / "steptimer"
@@ -233,6 +238,8 @@ def server_cmd(model: str, port: int, config: str, extra: list[str],
         env["SGLANG_HISPARSE_SKIP_IO"] = "1"
     if config == "nopark":
         env["SGLANG_HISPARSE_PARKING"] = "0"
+    if config == "sync":
+        env["SGLANG_HISPARSE_INDEXSHARE_PREFETCH"] = "0"
     if config == "stock":
         # SGLang's own whitelist: every plugin but ours (test weights stay).
         from importlib.metadata import entry_points
@@ -554,6 +561,9 @@ def log_stats(log_path: Path, since: int) -> dict:
         "hisparse_hit_rate": float(hit_rate[-1]) if hit_rate else None,
         "hisparse_host_read_mib": float(read_mib[-1]) if read_mib else None,
         "crashed": "Traceback" in text,
+        # what the coordinator logged at start-up (None: not an IndexShare model)
+        "indexshare_prefetch": (True if "IndexShare prefetch on" in text else
+                                False if "IndexShare prefetch off" in text else None),
         **decode_only(text),
         **exact_counters(text),
     }
@@ -672,6 +682,9 @@ def main() -> int:
                     help="instead of --model: write scripts/model_config.py's geometry (with "
                          "--layers) into LOGS/model and serve that")
     ap.add_argument("--layers", type=int, default=None, help="with --geometry: the layer count")
+    ap.add_argument("--index-pattern", default=None, metavar="FS...|glm52",
+                    help="serve the model with IndexShare layers: index_topk_pattern written "
+                         "into a copy of its config (scripts/model_config.py --index-pattern)")
     ap.add_argument("--requests", type=int, default=None, metavar="N",
                     help="send at most N prompts of each group (the decode-only figure needs "
                          "only enough to reach a configuration's highest running count)")
@@ -711,8 +724,23 @@ def main() -> int:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         import model_config
 
-        args.model = str(model_config.write(model_config.build_config(args.geometry, args.layers),
-                                            Path(args.logs) / "model").parent)
+        args.model = str(model_config.write(
+            model_config.build_config(args.geometry, args.layers, args.index_pattern),
+            Path(args.logs) / "model").parent)
+    elif args.index_pattern:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import model_config
+
+        cfg = json.loads((Path(args.model) / "config.json").read_text())
+        try:
+            cfg["index_topk_pattern"] = model_config.index_pattern(
+                args.index_pattern, cfg["num_hidden_layers"])
+        except ValueError as exc:
+            ap.error(str(exc))
+        args.model = str(model_config.write(cfg, Path(args.logs) / "model-indexshare").parent)
+    if args.index_pattern:
+        served = json.loads((Path(args.model) / "config.json").read_text())
+        print(f"index_topk_pattern {served['index_topk_pattern']}", flush=True)
     if args.mtp:
         try:
             steps, topk, ndt = (int(x) for x in args.mtp.split(","))
@@ -827,12 +855,13 @@ def main() -> int:
     invalid = ("noio",) + (SYNTHETIC_CONFIGS if args.synthetic else ())
     summary = summarize(results, configs, workloads, args.margin, args.tol, invalid)
     decode = summarize_decode(results, configs, workloads)
+    indexshare = summarize_indexshare(summary)
     if args.step_timer:
         print_step_timer(results, configs, workloads)
     checks = summarize_checks(launches)
     Path(args.out).write_text(json.dumps({"summary": summary, "decode": decode, "env": env,
-                                          "runs": results, "launches": launches,
-                                          "checks": checks}, indent=1))
+                                          "indexshare": indexshare, "runs": results,
+                                          "launches": launches, "checks": checks}, indent=1))
     failed_checks = [c for c in checks if c.get("check_ok") is False]
     return 1 if failed_checks or not all(s.get("ok", True) for s in summary) else 0
 
@@ -876,7 +905,8 @@ def merge(args) -> int:
             for w, runs in by_w.items():
                 results.setdefault(cfg, {}).setdefault(w, []).extend(runs)
         launches += [dict(x, source=str(path)) for x in data.get("launches", [])]
-    order = [c for c in ("base", "native", "ref", "ours", "nopark", "noio", "stock") if c in results]
+    order = [c for c in ("base", "native", "ref", "ours", "sync", "nopark", "noio", "stock")
+             if c in results]
     configs = order + [c for c in results if c not in order]
     workloads = sorted({w for by_w in results.values() for w in by_w})
     for c in configs:
@@ -884,9 +914,11 @@ def merge(args) -> int:
             results[c].setdefault(w, [])
     summary = summarize(results, configs, workloads, args.margin, args.tol)
     decode = summarize_decode(results, configs, workloads)
+    indexshare = summarize_indexshare(summary)
     checks = summarize_checks(launches)
     Path(args.out).write_text(json.dumps({"summary": summary, "decode": decode, "runs": results,
-                                          "launches": launches, "checks": checks}, indent=1))
+                                          "indexshare": indexshare, "launches": launches,
+                                          "checks": checks}, indent=1))
     return 0
 
 
@@ -947,6 +979,53 @@ def summarize_decode(results, configs, workloads) -> list[dict]:
                   f"{f(m['itg_p50_ms'], '.2f'):>7} / {f(m['itg_p99_ms'], '.2f'):<8} "
                   f"({f(row.get('itg_p99_over_tpot'), '.2f')})   "
                   f"{f(m['itg_worst_over_median'], '.1f')}", flush=True)
+    return rows
+
+
+# Issue #20's targets: the prefetch at >= 85% of skip-IO throughput, and a
+# TPOT below synchronous by >= 1/3 of the synchronous - skip-IO gap.
+INDEXSHARE_TARGETS = {"tok_s_vs_noio": 0.85, "tpot_gap_closed": 1 / 3}
+
+
+def indexshare_ratios(ours: dict, sync: dict, noio: dict) -> dict:
+    """ours (the prefetch) against sync and noio, from summary rows."""
+    out = {}
+    if ours.get("output_tok_s") and noio.get("output_tok_s"):
+        out["tok_s_vs_noio"] = ours["output_tok_s"] / noio["output_tok_s"]
+    if sync.get("output_tok_s") and noio.get("output_tok_s"):
+        out["sync_tok_s_vs_noio"] = sync["output_tok_s"] / noio["output_tok_s"]
+    t_o, t_s, t_n = ours.get("tpot_ms"), sync.get("tpot_ms"), noio.get("tpot_ms")
+    if t_o and t_s and t_n:
+        out.update(tpot_ms=t_o, sync_tpot_ms=t_s, noio_tpot_ms=t_n)
+        if t_s > t_n:
+            out["tpot_gap_closed"] = (t_s - t_o) / (t_s - t_n)
+    for key, target in INDEXSHARE_TARGETS.items():
+        if key in out:
+            out[f"{key}_target_met"] = out[key] >= target
+    return out
+
+
+def summarize_indexshare(summary: list[dict]) -> list[dict]:
+    """Per workload with ours, sync and noio: the IndexShare prefetch's ratios."""
+    by = {(r["workload"], r["config"]): r for r in summary}
+    rows = []
+    for w in sorted({r["workload"] for r in summary}):
+        if not all((w, c) in by for c in ("ours", "sync", "noio")):
+            continue
+        row = {"workload": w, **indexshare_ratios(by[(w, "ours")], by[(w, "sync")],
+                                                  by[(w, "noio")])}
+        rows.append(row)
+        if len(rows) == 1:
+            print("\nIndexShare (ours = prefetch, sync = synchronous, noio = skip-IO): "
+                  "ours/noio tok/s (target >= 0.85), sync/noio, TPOT ours/sync/noio ms, "
+                  "share of the sync-noio TPOT gap closed (target >= 0.33)")
+        f = lambda v, spec=".2f": format(v, spec) if v is not None else "-"  # noqa: E731
+        print(f"indexshare {w:<11} {f(row.get('tok_s_vs_noio'))} "
+              f"({'met' if row.get('tok_s_vs_noio_target_met') else 'NOT met'})   "
+              f"{f(row.get('sync_tok_s_vs_noio'))}   {f(row.get('tpot_ms'))} / "
+              f"{f(row.get('sync_tpot_ms'))} / {f(row.get('noio_tpot_ms'))}   "
+              f"{f(row.get('tpot_gap_closed'))} "
+              f"({'met' if row.get('tpot_gap_closed_target_met') else 'NOT met'})", flush=True)
     return rows
 
 

@@ -101,6 +101,20 @@
 #             Parts that no longer fit the stage's time are skipped and say
 #             so. ~2 min of launches, then ~5 min warm; run it as
 #             `pd jit` in a command of its own.
+#   indexshare  IndexShare prefetch (#20): its GPU tests
+#             (tests/test_index_share_gpu.py and the copy-only kernel's
+#             replay test) in the background while e2e_gpu.py serves the kit
+#             model given index_topk_pattern GF_INDEX_PATTERN (FSSS; e.g.
+#             FSFS) with configs GF_INDEXSHARE_CONFIGS (base,ours,sync,noio:
+#             ours prefetches, sync has SGLANG_HISPARSE_INDEXSHARE_PREFETCH=0,
+#             noio SGLANG_HISPARSE_SKIP_IO=1) on GF_INDEXSHARE_WORKLOADS
+#             (capacity: host IO), --check unless GF_INDEXSHARE_CHECK=0
+#             (ours and sync must be exact, noio caught; logprobs vs base),
+#             GF_INDEXSHARE_REPEATS (1) rounds. Prints the IndexShare line:
+#             ours/noio tok/s and the share of the sync-noio TPOT gap closed.
+#             For timing run it again with GF_INDEXSHARE_CHECK=0
+#             GF_INDEXSHARE_TESTS=0 (the check and the nvcc builds cost
+#             time). ~6-7 min cold with the check and 4 configs.
 #   jit       save_jit_cache: the kernel caches as jitcache.tar.xz (split in
 #             15 MiB parts when larger; not returned above ~45 MiB). Run
 #             last; ~0.5-1 min. Then, here:
@@ -126,8 +140,8 @@ if [ ${#STAGES[@]} -eq 0 ]; then
   exit 2
 fi
 for s in "${STAGES[@]}"; do
-  case $s in tests|bg-tests|check|fault|e2e|e2e1|e2e2|deep|trace|decode|bound|kbench|mtp|pd|jit) ;;
-    *) echo "unknown stage $s (tests bg-tests check fault e2e e2e1 e2e2 deep trace decode bound kbench mtp pd jit)"; exit 2 ;;
+  case $s in tests|bg-tests|check|fault|e2e|e2e1|e2e2|deep|trace|decode|bound|kbench|mtp|pd|indexshare|jit) ;;
+    *) echo "unknown stage $s (tests bg-tests check fault e2e e2e1 e2e2 deep trace decode bound kbench mtp pd indexshare jit)"; exit 2 ;;
   esac
 done
 [ -f scripts/e2e_gpu.py ] && [ -f .gpu/device_env.sh ] || {
@@ -250,7 +264,7 @@ run_stage() {
 summarize_stage() {
   local f=$RUN/$1.out
   case $1 in
-    tests|bg-tests)
+    tests|bg-tests|indexshare-tests)
       grep -E '^(FAILED|ERROR) ' "$f" | head -30
       grep -E '^=+ .*[0-9]+ (passed|failed|errors?|skipped)' "$f" | tail -1
       grep -q -E '^=+ .*[0-9]+ (passed|failed|errors?|skipped)' "$f" || tail -5 "$f" ;;
@@ -360,6 +374,15 @@ mtp_cmd() {
     --out "$RUN/mtp.json" --logs "$RUN/mtp"
 }
 
+indexshare_cmd() {
+  local check=(--check --warmup 0)
+  [ "${GF_INDEXSHARE_CHECK:-1}" = 0 ] && check=()
+  "${E2E[@]}" --configs "${GF_INDEXSHARE_CONFIGS:-base,ours,sync,noio}" \
+    --workloads "${GF_INDEXSHARE_WORKLOADS:-capacity}" --index-pattern "${GF_INDEX_PATTERN:-FSSS}" \
+    --repeats "${GF_INDEXSHARE_REPEATS:-1}" "${check[@]}" "${CPU_ARGS[@]}" \
+    --out "$RUN/indexshare.json" --logs "$RUN/indexshare"
+}
+
 kbench_cmd() {
   python3 scripts/bench_kernels.py --quick --json "$RUN/kbench_decode.json"
   python3 scripts/bench_kernels.py --verify 2,4 --json "$RUN/kbench_verify.json"
@@ -436,6 +459,18 @@ trace_cmd"
       wait_bg
       run_stage kbench 90 300 bash -c "$(declare -f kbench_cmd); $(declare -p RUN); kbench_cmd"
       show kbench ;;
+    indexshare)
+      if [ "${GF_INDEXSHARE_TESTS:-1}" != 0 ]; then
+        run_stage indexshare-tests 120 420 bash -c "$(declare -f test_files tests_cmd); WORK='$WORK' RUN='$RUN' GF_TESTS='tests/test_index_share_gpu.py tests/test_kernel_gpu.py::test_copy_planned_replays_the_plan' tests_cmd" &
+        IS_TESTS_PID=$!
+        say "== indexshare-tests: started in the background (pid $IS_TESTS_PID)"
+      fi
+      run_stage indexshare 150 540 bash -c "$(declare -f indexshare_cmd); $(declare -p E2E CPU_ARGS RUN); indexshare_cmd"
+      if [ -n "${IS_TESTS_PID:-}" ]; then
+        wait "$IS_TESTS_PID"; IS_TESTS_PID=""
+        show indexshare-tests
+      fi
+      show indexshare ;;
     jit) ;;  # done by finish, after everything else
   esac
 done

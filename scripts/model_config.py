@@ -20,6 +20,12 @@ Geometries (each a config.json under tests/data/):
 --layers N changes the layer count; a geometry whose layers are all dense
 stays all dense (first_k_dense_replace follows N).
 
+--index-pattern gives the model IndexShare layers (``index_topk_pattern``,
+read by 0.5.13's model code): a string of F (runs its indexer) and S (reuses
+the previous layer's top-k), one letter per layer, starting with F, e.g.
+FSSS or FSFS for the 4-layer kit model; or ``glm52``: GLM-5.2's share of
+anchors (21 of 78 layers) spread evenly over the layers, layer 0 first.
+
     python scripts/model_config.py --geometry v32 --layers 61 --out /tmp/dsv32-61
 """
 
@@ -37,7 +43,23 @@ GEOMETRIES = {
 }
 
 
-def build_config(geometry: str, layers: int | None = None) -> dict:
+GLM52_ANCHORS, GLM52_LAYERS = 21, 78
+
+
+def index_pattern(spec: str, layers: int) -> str:
+    """The ``index_topk_pattern`` for ``--index-pattern SPEC`` on ``layers`` layers."""
+    if spec == "glm52":
+        anchors = max(1, round(layers * GLM52_ANCHORS / GLM52_LAYERS))
+        at = {round(i * layers / anchors) for i in range(anchors)}
+        return "".join("F" if layer in at else "S" for layer in range(layers))
+    if not spec or set(spec) - {"F", "S"} or len(spec) != layers or spec[0] != "F":
+        raise ValueError(f"--index-pattern must be 'glm52' or {layers} letters F/S starting "
+                         f"with F (one per layer), got {spec!r}")
+    return spec
+
+
+def build_config(geometry: str, layers: int | None = None,
+                 index_pattern_spec: str | None = None) -> dict:
     if geometry not in GEOMETRIES:
         raise ValueError(f"--geometry must be one of {', '.join(GEOMETRIES)}, got {geometry!r}")
     cfg = json.loads(GEOMETRIES[geometry].read_text())
@@ -48,6 +70,8 @@ def build_config(geometry: str, layers: int | None = None) -> dict:
         cfg["num_hidden_layers"] = layers
         if all_dense:
             cfg["first_k_dense_replace"] = layers
+    if index_pattern_spec:
+        cfg["index_topk_pattern"] = index_pattern(index_pattern_spec, cfg["num_hidden_layers"])
     return cfg
 
 
@@ -83,10 +107,13 @@ def main(argv=None) -> int:
     ap.add_argument("--geometry", choices=sorted(GEOMETRIES), default="v32")
     ap.add_argument("--layers", type=int, default=None,
                     help="number of layers (default: the geometry's own)")
+    ap.add_argument("--index-pattern", default=None, metavar="FS...|glm52",
+                    help="IndexShare layers: index_topk_pattern (F runs the indexer, S reuses "
+                         "the previous top-k), or glm52 (21 anchors per 78 layers)")
     ap.add_argument("--out", required=True, help="directory to write config.json into")
     args = ap.parse_args(argv)
     try:
-        cfg = build_config(args.geometry, args.layers)
+        cfg = build_config(args.geometry, args.layers, args.index_pattern)
     except ValueError as exc:
         print(f"model_config: {exc}", file=sys.stderr)
         return 2
@@ -95,7 +122,8 @@ def main(argv=None) -> int:
     print(f"{path}: {args.geometry}, {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, "
           f"{cfg['num_attention_heads']} heads; ~{est['params'] / 1e9:.2f} B params "
           f"({est['weight_bytes'] / 2**30:.1f} GiB bf16), KV {est['kv_bytes_per_token'] / 1024:.1f} "
-          f"KiB/token")
+          f"KiB/token" + (f"; index_topk_pattern {cfg['index_topk_pattern']}"
+                          if cfg.get("index_topk_pattern") else ""))
     return 0
 
 

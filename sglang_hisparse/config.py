@@ -206,6 +206,10 @@ SYNTHETIC_TOPK_ENV = "SGLANG_HISPARSE_SYNTHETIC_TOPK"
 # pool per node for the local TP ranks instead of one pinned pool per rank
 # (pools/shared_host_memory.py); the host-memory check then counts it once.
 SHARED_HOST_POOL_ENV = "SGLANG_HISPARSE_SHARED_HOST_POOL"
+# coordinator: "0" swaps every shared-index layer in synchronously instead of
+# replaying its anchor's miss plan on the prefetch stream (A/B runs;
+# engine/index_share.py).
+INDEXSHARE_PREFETCH_ENV = "SGLANG_HISPARSE_INDEXSHARE_PREFETCH"
 HOST_ALLOC_MODES = ("cuda_host_alloc", "registered", "registered_thp")
 ENV_SWITCHES = {
     NATIVE_ENV: ("0", "1"),
@@ -215,6 +219,7 @@ ENV_SWITCHES = {
     CHECK_ENV: ("0", "1"),
     EXPERIMENTAL_MTP_ENV: ("0", "1"),
     SHARED_HOST_POOL_ENV: ("0", "1"),
+    INDEXSHARE_PREFETCH_ENV: ("0", "1"),
     HOST_ALLOC_ENV: HOST_ALLOC_MODES,
 }
 

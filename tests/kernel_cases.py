@@ -176,6 +176,14 @@ def make_case(
     return case
 
 
+def graph_case(seed: int, hot: int = 1024, top_k: int = 512) -> SwapInCase:
+    """The batch the CUDA-graph tests capture: 8 requests, short and long,
+    int32 indices as SGLang's graph runner passes them."""
+    lens = [hot * 6, hot // 2, hot * 3, hot + 1, hot * 10, hot, 5000, 7000]
+    return make_case(seq_lens=lens, top_k=top_k, hot=hot, page=64, miss_rate=0.5,
+                     item_bytes=1152, seed=seed, index_dtype=torch.int32, req_dtype=torch.int32)
+
+
 def refresh_top_k(
     case: SwapInCase,
     *,

@@ -548,3 +548,64 @@ def test_gap_stats_finds_the_stalled_stream():
     assert got["itg_p50_ms"] == 10.0 and got["itg_p99_ms"] == 10.0
     assert got["itg_worst_over_median"] == 90.0
     assert e2e.gap_stats([{"gaps_ms": []}])["itg_p50_ms"] is None
+
+
+# --- IndexShare (#20): the model's index pattern, sync config, the ratios ---
+
+def test_index_pattern_reaches_sglangs_model_config(tmp_path):
+    mc = _load("model_config", SCRIPTS / "model_config.py")
+    from sglang.srt.configs.model_config import ModelConfig
+
+    from sglang_hisparse.engine.index_share import roles_from_config
+
+    for spec, want in (("FSSS", "FSSS"), ("FSFS", "FSFS")):
+        d = tmp_path / spec
+        mc.write(mc.build_config("tiny", None, spec), d)
+        text = ModelConfig(str(d)).hf_text_config
+        assert roles_from_config(text, text.num_hidden_layers).pattern == want
+    glm = mc.index_pattern("glm52", 78)
+    assert len(glm) == 78 and glm.count("F") == 21 and glm[0] == "F" and "SSSS" not in glm
+    assert mc.index_pattern("glm52", 4) == "FSSS"
+    for bad in ("FSS", "SFFF", "FSXS", ""):
+        try:
+            mc.index_pattern(bad, 4)
+        except ValueError as exc:
+            assert "--index-pattern" in str(exc)
+        else:
+            raise AssertionError(f"{bad!r} was accepted")
+    assert mc.main(["--geometry", "tiny", "--index-pattern", "SFFF", "--out", str(tmp_path / "x")]) == 2
+
+
+def test_sync_config_turns_the_prefetch_off_and_the_ratios(capsys):
+    e2e = _load("e2e_gpu", SCRIPTS / "e2e_gpu.py")
+    _, env = e2e.server_cmd("/m", 1, "sync", [], check=True)
+    assert env["SGLANG_HISPARSE_INDEXSHARE_PREFETCH"] == "0" and env[e2e.CHECK_ENV] == "1"
+    _, env = e2e.server_cmd("/m", 1, "ours", [])
+    assert "SGLANG_HISPARSE_INDEXSHARE_PREFETCH" not in env
+    assert e2e.CHECK_EXPECT["sync"] == "exact"
+    summary = [
+        {"workload": "capacity", "config": "ours", "output_tok_s": 90.0, "tpot_ms": 11.0},
+        {"workload": "capacity", "config": "sync", "output_tok_s": 75.0, "tpot_ms": 13.0},
+        {"workload": "capacity", "config": "noio", "output_tok_s": 100.0, "tpot_ms": 10.0},
+        {"workload": "lone", "config": "ours", "output_tok_s": 1.0, "tpot_ms": 1.0},
+    ]
+    (row,) = e2e.summarize_indexshare(summary)
+    assert row["workload"] == "capacity" and row["tok_s_vs_noio"] == 0.9
+    assert abs(row["tpot_gap_closed"] - 2 / 3) < 1e-9
+    assert row["tok_s_vs_noio_target_met"] and row["tpot_gap_closed_target_met"]
+    out = capsys.readouterr().out
+    assert "indexshare capacity" in out and "NOT met" not in out
+    slow = e2e.indexshare_ratios({"output_tok_s": 80.0, "tpot_ms": 12.9},
+                                 {"output_tok_s": 75.0, "tpot_ms": 13.0},
+                                 {"output_tok_s": 100.0, "tpot_ms": 10.0})
+    assert not slow["tok_s_vs_noio_target_met"] and not slow["tpot_gap_closed_target_met"]
+
+
+def test_log_stats_reads_the_prefetch_state(tmp_path):
+    e2e = _load("e2e_gpu", SCRIPTS / "e2e_gpu.py")
+    log = tmp_path / "s.log"
+    for text, want in (("HiSparse IndexShare prefetch on (...): 1 anchor", True),
+                       ("HiSparse IndexShare prefetch off: SGLANG_HISPARSE_INDEXSHARE_PREFETCH=0", False),
+                       ("nothing", None)):
+        log.write_text(text)
+        assert e2e.log_stats(log, 0)["indexshare_prefetch"] is want

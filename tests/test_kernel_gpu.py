@@ -15,7 +15,9 @@ import random
 import pytest
 import torch
 
-from kernel_cases import SwapInCase, check_rows_served, make_case, make_residency, refresh_top_k
+from kernel_cases import (
+    SwapInCase, check_rows_served, graph_case, make_case, make_residency, refresh_top_k,
+)
 from sglang_hisparse import kernels
 from sglang_hisparse.kernels import bench
 from sglang_hisparse.kernels import copy_planned as copy_mod
@@ -261,10 +263,8 @@ def test_copy_planned_replays_the_plan(layout):
 def test_cuda_graph_replay_with_changing_real_requests():
     seed = _seed()
     gen = random.Random(seed)
-    bs, top_k, hot = 8, 512, 1024
-    lens = [hot * 6, hot // 2, hot * 3, hot + 1, hot * 10, hot, 5000, 7000]
-    case = make_case(seq_lens=lens, top_k=top_k, hot=hot, page=PAGE, miss_rate=0.5,
-                     item_bytes=1152, seed=seed, index_dtype=torch.int32, req_dtype=torch.int32)
+    bs, top_k = 8, 512
+    case = graph_case(seed, top_k=top_k)
     want = case.clone()
     gpu = case.clone("cuda", pin_host=True)
     gplan = _plan(bs, top_k, "cuda")

@@ -142,8 +142,26 @@ def validate_hisparse(server_args) -> None:
         return
     problems, _ = find_problems(hisparse_server_args(server_args))
     problems += env_problems(os.environ)
+    problems += index_share_problems(server_args.get_model_config())
     if problems:
         raise HiSparseArgumentError(problems)
+
+
+def index_share_problems(model_config) -> list[str]:
+    """The model config's index sharing (``index_topk_pattern`` /
+    ``index_topk_freq`` / ``index_skip_topk_offset``) as the swap-in's
+    IndexShare prefetch reads it: a line per field the model code cannot
+    run, before any weight loads."""
+    from sglang_hisparse.engine.index_share import IndexShareConfigError, roles_from_config
+
+    if model_family(model_config.hf_config) is not ModelFamily.DSA:
+        return []
+    text = model_config.hf_text_config
+    try:
+        roles_from_config(text, int(getattr(text, "num_hidden_layers", 0) or 0))
+    except IndexShareConfigError as exc:
+        return [f"model config: {exc}"]
+    return []
 
 
 # --- what the host pools will pin (inputs of arg_rules.host_memory_problem)

@@ -4,8 +4,8 @@
   by ``ModelRunner`` (``model_runner.py:818``) with 0.5.13's fixed keyword
   set. It reads what that constructor cannot pass (the swap-in block size
   from ``--hisparse-config``, whether this is a PD decode node, the draft
-  tokens of a speculative verify step) from the
-  process-wide server args and hands them to the engine's coordinator, which
+  tokens of a speculative verify step, the IndexShare layer roles of the
+  model config) from the process-wide server args and hands them to the engine's coordinator, which
   never touches SGLang itself.
 * :func:`model_runner_max_token_pool_size` - PROPERTY getter for
   ``ModelRunner.max_token_pool_size``.
@@ -55,6 +55,24 @@ def configured_draft_tokens(server_args) -> int:
 
     spec = speculative_args(server_args)
     return spec.draft_tokens if spec is not None else 1
+
+
+def configured_index_roles(server_args, token_to_kv_pool_allocator):
+    """The IndexShare role of every layer of this DSA model (engine/index_share.py),
+    read from the model config the model code reads (``hf_text_config``);
+    None for DeepSeek-V4, under pipeline parallelism (a stage's layer ids do
+    not start at 0) and without server args."""
+    if server_args is None or getattr(token_to_kv_pool_allocator, "compress_ratio", 1) != 1:
+        return None
+    if int(getattr(server_args, "pp_size", 1) or 1) > 1:
+        return None
+    from sglang_hisparse.engine.index_share import roles_from_config
+
+    try:
+        config = server_args.get_model_config().hf_text_config
+    except Exception:  # a test's server args without a model
+        return None
+    return roles_from_config(config, token_to_kv_pool_allocator.get_kvcache().layer_num)
 
 
 def shared_host_buffer_allocator(tp_group):
@@ -150,6 +168,11 @@ class HiSparseCoordinator(Coordinator):
             engine_options["draft_tokens"] = configured_draft_tokens(server_args)
         if engine_options.get("pd_decode") is None:
             engine_options["pd_decode"] = is_pd_decode(server_args)
+        if "index_roles" not in engine_options:
+            engine_options["index_roles"] = configured_index_roles(
+                server_args, token_to_kv_pool_allocator)
+        if server_args is not None and "pp_size" not in engine_options:
+            engine_options["pp_size"] = int(getattr(server_args, "pp_size", 1) or 1)
         if engine_options.get("host_pool") is None:
             engine_options["host_pool"] = build_host_pool(
                 token_to_kv_pool_allocator, host_to_device_ratio, tp_group)

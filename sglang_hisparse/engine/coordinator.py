@@ -39,13 +39,16 @@ import torch
 
 from sglang_hisparse.config import (
     CHECK_ENV,
+    INDEXSHARE_PREFETCH_ENV,
     PARKING_ENV,
     RESIDENCY_ENV,
     SKIP_IO_ENV,
     SYNTHETIC_TOPK_ENV,
 )
 from sglang_hisparse.engine.exactness import ExactnessCheck
+from sglang_hisparse.engine.index_share import LayerRoles, prefetch_off_reason
 from sglang_hisparse.engine.policies.parking import Parking
+from sglang_hisparse.engine.prefetch import IndexSharePrefetch
 from sglang_hisparse.engine.policies.residency import Residency
 from sglang_hisparse.engine.policies.retain_on_retract import RetainOnRetract
 from sglang_hisparse.engine.state import ReqState, RequestTable
@@ -87,6 +90,12 @@ def _swap_in_kernel():
     return kernels.swap_in_selected
 
 
+def _copy_planned_kernel():
+    from sglang_hisparse.kernels.copy_planned import copy_planned_selected
+
+    return copy_planned_selected
+
+
 class Coordinator:
     """Per-request hot buffers, host backing and swap-in (see module docstring)."""
 
@@ -108,6 +117,8 @@ class Coordinator:
         pd_decode: bool = False,
         exactness_check: Optional[bool] = None,
         draft_tokens: int = 1,
+        index_roles: Optional[LayerRoles] = None,
+        pp_size: int = 1,
     ):
         if device_buffer_size < top_k:
             raise ValueError(
@@ -217,6 +228,25 @@ class Coordinator:
         if exactness_check is None:
             exactness_check = os.environ.get(CHECK_ENV) == "1"
         self.exactness = ExactnessCheck(self) if exactness_check else None
+
+        # IndexShare (engine/index_share.py, engine/prefetch.py): the model's
+        # layer roles, and the prefetch when it runs.
+        if index_roles is not None and index_roles.num_layers != self.layer_num:
+            raise ValueError(f"index_roles name {index_roles.num_layers} layers, the KV pool "
+                             f"holds {self.layer_num}")
+        self.index_roles = index_roles
+        off = prefetch_off_reason(index_roles, is_deepseek_v4=self.is_dsv4_hisparse,
+                                  pp_size=pp_size, environ=os.environ)
+        self.prefetch = None
+        if off is None:
+            self.prefetch = IndexSharePrefetch(
+                index_roles, max_requests=max_reqs, plan_width=self.draft_tokens * top_k,
+                device=device, streams=self.streams, skip_io=self.skip_io)
+            # (once at start-up, at WARNING so that every server log shows it)
+            logger.warning("HiSparse IndexShare prefetch on (%s=0 turns it off): %s",
+                        INDEXSHARE_PREFETCH_ENV, index_roles)
+        elif index_roles is not None and index_roles.shares:
+            logger.warning("HiSparse IndexShare prefetch off: %s", off)
 
         if hasattr(alloc, "set_reservation_provider"):
             alloc.set_reservation_provider(self._owed_tokens)
@@ -662,15 +692,30 @@ class Coordinator:
     # ------------------------------------------------------------ swap-in
     def swap_in_selected_pages(self, req_pool_indices, compressed_seq_lens, top_k_result,
                                layer_id: int) -> torch.Tensor:
-        """Physical rows of the selected tokens, loading misses from host (per layer)."""
+        """Physical rows of the selected tokens, loading misses from host (per
+        layer). With the IndexShare prefetch a shared layer resolves nothing:
+        it waits for its replay of the anchor's plan and returns the anchor's
+        output; an anchor with shared layers records the plan and launches
+        their replays."""
         rows = top_k_result.size(0)  # requests x draft tokens in a verify step
-        draft_tokens = rows // max(req_pool_indices.size(0), 1) if rows else 1
         out = self.top_k_device_locs_buffer[:rows]
+        prefetch = self.prefetch
+        if prefetch is not None and prefetch.is_shared[layer_id]:
+            prefetch.before_shared(layer_id)
+            if self.exactness is not None:
+                self._check_rows(req_pool_indices, compressed_seq_lens, top_k_result, out,
+                                 layer_id)
+            return out
+        requests = req_pool_indices.size(0)
+        draft_tokens = rows // max(requests, 1) if rows else 1
         if self.synthetic_trace is not None:
             if draft_tokens != 1:
                 raise ValueError(f"{SYNTHETIC_TOPK_ENV} does not drive verify rows")
+            # A shared layer selects what its anchor selected, synchronous or not.
+            trace_layer = layer_id if self.index_roles is None \
+                else self.index_roles.anchor_of[layer_id]
             top_k_result = synthetic_top_k.synthetic_top_k(
-                req_pool_indices, compressed_seq_lens, layer_id, self.synthetic_trace,
+                req_pool_indices, compressed_seq_lens, trace_layer, self.synthetic_trace,
                 self._synthetic_top_k[:rows, :top_k_result.size(1)])
         fn = self._swap_in_fn or _swap_in_kernel()
         extra = {} if self.swap_in_block_size is None else {"block_size": self.swap_in_block_size}
@@ -682,6 +727,10 @@ class Coordinator:
             extra.update(resident=self.req_resident,
                          req_to_token=self.req_to_token_pool.req_to_token,
                          token_to_row=self._mapping())
+        records = prefetch is not None and prefetch.records_plan(layer_id)
+        if records:
+            prefetch.before_anchor()
+            extra.update(prefetch.plan(requests))
         host_kv, device_kv = self._host_rows(layer_id), self._device_rows(layer_id)
         layout = "c4" if self.is_dsv4_hisparse else "rows"
         fn(
@@ -700,11 +749,31 @@ class Coordinator:
             tally=self._tally,
             **extra,
         )
+        if records:
+            prefetch.replay_followers(
+                layer_id, requests, self.num_real_reqs.tensor,
+                lambda layer: (self._host_rows(layer), self._device_rows(layer)), layout,
+                _copy_planned_kernel())
         if self.exactness is not None:
             self.exactness.after_swap_in(
                 top_k_result, out, req_pool_indices, compressed_seq_lens, layer_id,
                 host_kv, device_kv, layout, draft_tokens)
         return out
+
+    def _check_rows(self, req_pool_indices, seq_lens, top_k_result, out, layer_id) -> None:
+        """The exactness check of a shared layer's rows (after its replay landed)."""
+        rows = top_k_result.size(0)
+        draft_tokens = rows // max(req_pool_indices.size(0), 1) if rows else 1
+        if self.synthetic_trace is not None:
+            top_k_result = self._synthetic_top_k[:rows, :top_k_result.size(1)]
+        self.exactness.after_swap_in(
+            top_k_result, out, req_pool_indices, seq_lens, layer_id,
+            self._host_rows(layer_id), self._device_rows(layer_id), "rows", draft_tokens)
+
+    def table_layer(self, layer_id: int) -> int:
+        """The layer whose slot tables (``slot_tokens``, ``lru``) hold a
+        layer's hot-buffer state: its anchor's while the prefetch runs."""
+        return layer_id if self.prefetch is None else self.prefetch.table_layer(layer_id)
 
     def _host_rows(self, layer_id: int) -> torch.Tensor:
         buf = self.mem_pool_host.kv_buffer[layer_id]

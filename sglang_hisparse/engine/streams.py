@@ -1,6 +1,6 @@
 """The streams HiSparse's copies run on, and the order rules between them.
 
-Three streams touch the KV of a request besides SGLang's forward stream:
+Three streams (four with IndexShare) touch the KV of a request besides SGLang's forward stream:
 
 * **staging** (``Streams.staging``): the copy of a finished prefill to host.
   It starts after an event recorded on the scheduler's current stream when
@@ -16,6 +16,13 @@ Three streams touch the KV of a request besides SGLang's forward stream:
   the forward), so a host row is complete before any swap-in reads it.
 * **forward** (SGLang's): swap-in and attention; the in-server exactness
   check runs here right after each swap-in.
+* **prefetch** (``Streams.prefetch``; IndexShare models only,
+  :mod:`.prefetch`): right after an anchor layer's swap-in it waits for an
+  event recorded on the forward stream and replays the anchor's miss plan on
+  each shared layer's pools, recording one event per shared layer; that
+  layer's attention waits for its event. Every replay is waited for within
+  the same forward (so a CUDA graph's side stream is joined), and the next
+  anchor's swap-in, which overwrites the plan, also waits for any left.
 
 Releasing rows (finish, abort, retract) and demoting a resident first make
 the current stream wait for the decode producer stream and for the pending
@@ -63,6 +70,7 @@ class Streams:
         self.cpu_event_delay: Callable[[], int] = lambda: 0
         self.staging = torch.cuda.Stream() if self.gpu else None
         self.backup = torch.cuda.Stream() if self.gpu else None
+        self.prefetch = torch.cuda.Stream() if self.gpu else None
         # SGLang's stream that runs the decode forward (overlap scheduler);
         # None: the current stream.
         self.decode_producer = None
@@ -116,6 +124,7 @@ class Streams:
         if self.gpu:
             self.staging.synchronize()
             self.backup.synchronize()
+            self.prefetch.synchronize()
 
 
 class TrailingReader:

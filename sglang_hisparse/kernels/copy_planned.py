@@ -3,18 +3,28 @@
 Layers that share one indexer see the same top-k, so the anchor layer's
 plan (host row -> device row per miss, recorded by a swap-in given
 ``miss_src``/``miss_dst``/``miss_count``) is valid for them too and only the
-bytes need to move. Used by the benchmark's gather floor and the tests today;
-IndexShare prefetch is its serving user to come. The torch version is
-:func:`sglang_hisparse.kernels.reference.copy_planned`.
+bytes need to move. Its serving user is the IndexShare prefetch
+(:mod:`sglang_hisparse.engine.prefetch`: one replay per shared layer, on the
+prefetch stream); the benchmark's gather floor uses it too. The torch
+version is :func:`sglang_hisparse.kernels.reference.copy_planned`;
+:func:`copy_planned_selected` picks by device.
+
+A shared layer replays every decode step, so a launch checks its arguments
+in full only the first time it sees their geometry (shapes, strides, dtypes,
+the pools' addresses, the host pool's storage, whose pinning was checked),
+as the swap-in does. CUDA-graph capturable: no allocation, no host sync, the
+grid is fixed (one block per SM unless ``num_blocks``) and the real rows are
+read on the device (``num_real_reqs``).
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
 
-from sglang_hisparse.kernels import _jit
+from sglang_hisparse.kernels import _jit, reference
 from sglang_hisparse.kernels._validate import check_cuda, check_kv, check_miss_plan, check_num_real, fail
 from sglang_hisparse.kernels.limits import layout_id
 
@@ -48,6 +58,52 @@ def copy_planned(
     """Replay a recorded miss plan on another layer's pools: for each real row
     b and m < miss_count[b], copy host row miss_src[b, m] to device row
     miss_dst[b, m]. ``num_blocks`` fixes the grid (default: one per SM)."""
+    try:
+        key = (_geom(miss_src), _geom(miss_dst), _geom(miss_count), _geom(num_real_reqs),
+               _pool_key(host_kv), _pool_key(device_kv), layout, num_blocks)
+        verdict = _VERDICTS.get(key)
+        if verdict is not None and verdict[2] is not None \
+                and verdict[2]() is not host_kv.untyped_storage():
+            verdict = None  # a new host pool at an old address: check its pinning again
+    except (AttributeError, TypeError):  # not tensors: the full check names the argument
+        key = verdict = None
+    if verdict is None:
+        verdict = _validate(miss_src, miss_dst, miss_count, num_real_reqs, host_kv, device_kv,
+                            layout, num_blocks)
+        if key is not None and not torch.cuda.is_current_stream_capturing():
+            if len(_VERDICTS) >= 256:
+                _VERDICTS.clear()
+            _VERDICTS[key] = verdict
+    module, blocks, _ = verdict
+    if miss_src.size(0) == 0:
+        return
+    module.copy_planned(miss_src, miss_dst, miss_count, num_real_reqs, host_kv, device_kv, blocks)
+
+
+def copy_planned_selected(*args, **kwargs) -> None:
+    """Data-plane entry, same arguments as :func:`copy_planned`: the CUDA
+    kernel when the plan is on a GPU, else the torch reference (same bytes)."""
+    miss_src = kwargs["miss_src"] if "miss_src" in kwargs else args[0]
+    if miss_src.is_cuda:
+        copy_planned(*args, **kwargs)
+    else:
+        reference.copy_planned(*args, **kwargs)
+
+
+_VERDICTS: dict = {}
+
+
+def _geom(t):
+    return (t.shape, t.stride(), t.dtype, t.device)
+
+
+def _pool_key(t):
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
+
+
+def _validate(miss_src, miss_dst, miss_count, num_real_reqs, host_kv, device_kv, layout,
+              num_blocks):
+    """(module, grid, the checked host pool's storage or None) or a ValueError."""
     device = check_cuda("miss_src", miss_src, dtypes=(torch.int64,), ndim=2)
     check_miss_plan(miss_src, miss_dst, miss_count, device)
     check_num_real(num_real_reqs, device)
@@ -60,8 +116,8 @@ def copy_planned(
     item_bytes = check_kv(layout, host_kv, device_kv, device)
     if num_blocks is None:
         num_blocks = _jit.sm_count(_jit.device_index(device))
-    if bs == 0:
-        return
-    copy_planned_module(item_bytes, lid).copy_planned(
-        miss_src, miss_dst, miss_count, num_real_reqs, host_kv, device_kv, int(num_blocks)
-    )
+    elif not 1 <= int(num_blocks) <= (1 << 20):
+        fail("num_blocks", f"must be in [1, {1 << 20}], got {num_blocks}")
+    storage = None if host_kv.is_cuda else weakref.ref(host_kv.untyped_storage())
+    module = copy_planned_module(item_bytes, lid) if bs else None
+    return module, int(num_blocks), storage

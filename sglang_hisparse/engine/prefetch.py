@@ -1,0 +1,133 @@
+"""IndexShare prefetch: an anchor layer plans, its shared layers' bytes follow on a side stream.
+
+A shared layer (:mod:`.index_share`) selects exactly its anchor's positions,
+and every hot-buffer table starts and is reset for all layers at once, so a
+synchronous swap-in of the shared layer would make the anchor's decisions
+again: the same hits, the same victims, the same output slots (the lockstep
+``tests/test_index_share.py`` checks through the reference). So only the
+anchor resolves. Its swap-in records the miss plan (host row -> device row
+per miss, per request) into fixed buffers here; right after it, the
+prefetch stream replays that plan on each of the anchor's shared layers'
+pools (``kernels.copy_planned``, copy only) while the forward stream goes on
+with the anchor's attention and the layers after it. A shared layer's
+"swap-in" then waits for its own replay's event and returns the anchor's
+output, which no swap-in overwrites before the next anchor.
+
+While the prefetch runs, a shared layer's own ``slot_tokens``/``lru``
+entries are never read or advanced: the anchor's entries are its table
+(:meth:`IndexSharePrefetch.table_layer`). ``slot_locs`` (rows per slot) are
+written for all layers alike and stay the same.
+
+Order rules (CUDA; on the CPU everything runs in call order):
+
+* the replays start after an event recorded on the forward stream right
+  after the anchor's swap-in, so they read the plan it wrote, host rows the
+  write-through completed (the forward waited for it) and write rows the
+  previous step's attention is done with;
+* each shared layer's attention waits for its own replay's event, so it
+  never reads a row before the copy landed;
+* the next anchor's swap-in rewrites the plan, so it first waits for any
+  replay whose event no shared layer waited for (none in a well-formed
+  model: every shared layer of an anchor runs before the next anchor).
+
+All of it is CUDA-graph capturable: the plan buffers are allocated once for
+the largest batch, the events are recorded and waited for inside the
+captured forward (the prefetch stream forks from and joins the capture
+stream), and the replay reads the real-row count on the device.
+
+With ``SGLANG_HISPARSE_SKIP_IO=1`` the anchor moves no bytes and neither do
+the replays (none are launched). Speculative verify rows work unchanged:
+the plan is per request, ``draft_tokens x top_k`` wide. The swap-in's tally
+counts the anchor's resolution only (a shared layer resolves nothing).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from sglang_hisparse.engine.index_share import LayerRoles
+from sglang_hisparse.engine.streams import Streams
+
+
+class IndexSharePrefetch:
+    def __init__(self, roles: LayerRoles, *, max_requests: int, plan_width: int, device,
+                 streams: Streams, skip_io: bool = False):
+        self.roles = roles
+        self.streams = streams
+        self.skip_io = skip_io
+        self.is_shared = roles.is_shared
+        self.anchor_of = roles.anchor_of
+        self.followers = roles.followers
+        # The plan of the last anchor's swap-in (rows past its batch unused).
+        self.miss_src = torch.zeros((max_requests, plan_width), dtype=torch.int64, device=device)
+        self.miss_dst = torch.zeros((max_requests, plan_width), dtype=torch.int32, device=device)
+        self.miss_count = torch.zeros(max_requests, dtype=torch.int32, device=device)
+        self.anchor_done = streams.event()
+        self.landed = {layer: streams.event() for f in self.followers.values() for layer in f}
+        # Shared layers whose replay is launched and not yet waited for.
+        self.pending: set[int] = set()
+        # Tests and the race check only: GPU cycles the prefetch stream spins
+        # before each replay (a slow host link).
+        self.link_delay_cycles = 0
+        self.replays = 0  # replays launched (a count for tests and logs)
+
+    def table_layer(self, layer_id: int) -> int:
+        """The layer whose slot tables a layer's swap-in uses."""
+        return self.anchor_of[layer_id]
+
+    def records_plan(self, layer_id: int) -> bool:
+        return layer_id in self.followers
+
+    def plan(self, requests: int) -> dict:
+        """The plan buffers for an anchor swap-in of ``requests`` requests."""
+        return dict(miss_src=self.miss_src[:requests], miss_dst=self.miss_dst[:requests],
+                    miss_count=self.miss_count[:requests])
+
+    def before_anchor(self) -> None:
+        """The anchor's swap-in is about to overwrite the plan."""
+        if self.pending:
+            for layer in self.pending:
+                self.landed[layer].wait(_current_stream(self.streams))
+            self.pending.clear()
+
+    def replay_followers(self, anchor: int, requests: int, num_real_reqs: torch.Tensor,
+                         pools: Callable[[int], tuple], layout: str, copy: Callable) -> None:
+        """Launch the copy-only replay of the anchor's plan for each of its
+        shared layers; ``pools(layer)`` gives (host_kv, device_kv) as uint8
+        rows, ``copy`` is ``kernels.copy_planned.copy_planned_selected``."""
+        followers = self.followers[anchor]
+        if self.skip_io or requests == 0:
+            return
+        plan = self.plan(requests)
+        streams = self.streams
+        if not streams.gpu:
+            for layer in followers:
+                host_kv, device_kv = pools(layer)
+                copy(**plan, num_real_reqs=num_real_reqs, host_kv=host_kv, device_kv=device_kv,
+                     layout=layout)
+            self.replays += len(followers)
+            return
+        self.anchor_done.record()
+        with torch.cuda.stream(streams.prefetch):
+            streams.prefetch.wait_event(self.anchor_done)
+            for layer in followers:
+                if self.link_delay_cycles:
+                    torch.cuda._sleep(self.link_delay_cycles)
+                host_kv, device_kv = pools(layer)
+                copy(**plan, num_real_reqs=num_real_reqs, host_kv=host_kv, device_kv=device_kv,
+                     layout=layout)
+                self.landed[layer].record(streams.prefetch)
+        self.pending.update(followers)
+        self.replays += len(followers)
+
+    def before_shared(self, layer_id: int) -> None:
+        """A shared layer is about to read its rows: wait for its replay."""
+        if layer_id in self.pending:
+            self.landed[layer_id].wait(_current_stream(self.streams))
+            self.pending.discard(layer_id)
+
+
+def _current_stream(streams: Streams):
+    return torch.cuda.current_stream() if streams.gpu else None
