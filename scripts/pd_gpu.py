@@ -89,6 +89,8 @@ from typing import Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import e2e_gpu as e2e  # noqa: E402
 
+from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST  # noqa: E402 (what 0.5.13's warm-up sends)
+
 BOOTSTRAP_PORT = 8998
 PAGE = 64
 INDEX_TOPK = 2048
@@ -120,6 +122,10 @@ class Router:
 
     def __init__(self, port: int, decode_url: str, prefill_url: Optional[str],
                  bootstrap_port: int = BOOTSTRAP_PORT, log=print):
+        # prefill_url None: the fake-transfer control. 0.5.13's decode builds a
+        # receiver for every request and crashes on bootstrap_host None
+        # (NetworkAddress.__post_init__); its own PD warm-up sends
+        # FAKE_BOOTSTRAP_HOST with a room, so this does the same.
         self.decode_url, self.prefill_url = decode_url, prefill_url
         self.bootstrap_port = bootstrap_port
         self.log = log
@@ -200,6 +206,8 @@ class Router:
                         bootstrap_room=room)
             threading.Thread(target=self._prefill, args=(body, prefill), daemon=True).start()
         else:
+            room = random.getrandbits(63)
+            body = dict(body, bootstrap_host=FAKE_BOOTSTRAP_HOST, bootstrap_room=room)
             prefill["done"].set()
         want_lp = bool(body.get("return_logprob"))
         status, n_chunks = None, 0
@@ -445,7 +453,11 @@ def part_exact(nodes, results, args):
     }
     ours.stop()
     mark = fake.mark()
-    got_fake = {w: run(fake.url, w) for w in ("smoke",)}
+    fake_router = Router(free_port(32100), fake.url, None)
+    try:
+        got_fake = {w: run(fake_router.url, w) for w in ("smoke",)}
+    finally:
+        fake_router.close()
     results["pd-fake"] = got_fake
     ex = exactness(ref["smoke"], got_fake["smoke"], args)
     n_same = sum(v["identical"] for v in ex["by_prompt_len"].values())

@@ -109,12 +109,18 @@ def test_router_rooms_differ_and_a_decode_error_reaches_the_client():
         decode.close()
 
 
-def test_direct_mode_sends_no_bootstrap_fields_so_a_fake_decode_moves_nothing():
+def test_fake_control_sends_sglangs_fake_bootstrap_host_and_no_prefill():
+    # 0.5.13's decode crashes on bootstrap_host None (seen on the H200): the
+    # fake control must send what SGLang's own PD warm-up sends.
+    from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+
     decode = Endpoint(lambda b: [sse({"output_ids": [3]}), "data: [DONE]"])
     router = pd.Router(pd.free_port(39200), decode.url, None, log=lambda s: None)
     try:
         _stream(router.url, {"input_ids": [1], "stream": True})
-        assert "bootstrap_host" not in decode.bodies[0]
+        body = decode.bodies[0]
+        assert body["bootstrap_host"] == FAKE_BOOTSTRAP_HOST
+        assert 0 <= body["bootstrap_room"] < 2 ** 63 and "bootstrap_port" not in body
     finally:
         router.close()
         decode.close()
