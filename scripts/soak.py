@@ -636,15 +636,15 @@ class Sim:
 
     # ------------------------------------------------------ PD decode node
     def pre_alloc(self, req):
-        """0.5.13 ``DecodePreallocQueue._pre_alloc`` (its HiSparse branch: a
+        """``DecodePreallocQueue._pre_alloc`` as patched (its HiSparse branch: a
         request slot, logical slots, host rows) behind a budget check; the
         host rows, or None when the budget says no."""
-        from sglang.srt.disaggregation.decode import DecodePreallocQueue
+        from dataplane_fixtures import pre_alloc
 
         n = len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
         if not self.r2t.available_size() or self.alloc.available_size() < self.page_up(n) + self.ps:
             return None
-        return DecodePreallocQueue._pre_alloc(self.prealloc, req)
+        return pre_alloc(self.r2t, self.alloc, self.coord, req, self.prealloc)
 
     def join(self, req):
         """Decoding from host: a short request is loaded whole, a long one starts empty."""

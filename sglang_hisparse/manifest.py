@@ -688,6 +688,30 @@ HOOKS: tuple[Entry, ...] = (
         tests=("tests/test_speculative_seams.py", "tests/test_allocator.py",
                "tests/test_device_pool.py", "tests/test_dsv4.py"),
     ),
+    # --- PD decode: the prealloc's host rows.
+    _data_plane_hook(
+        target=f"{_PREALLOC}._pre_alloc",
+        kind=Kind.SOURCE_PATCH,
+        why=(
+            "0.5.13 takes host rows for the transfer and tells nobody: a transfer that "
+            "fails or is aborted in flight releases the request's logical slots but its "
+            "host rows stay behind, and a request resuming from retraction takes fresh "
+            "rows for its whole KV beside the rows it kept (load_cpu_copy then swaps "
+            "them), so with a full host pool no retracted request can ever resume (the "
+            "pd-press stall of the third GPU session). Ours asks the coordinator, which "
+            "hands a resuming request its kept rows back and holds every request from "
+            "its prealloc on (TRANSFERRING)."
+        ),
+        upstream="none: 0.5.23 srt/disaggregation/decode.py allocates host rows the same way",
+        behaviour=(
+            "host rows come from coordinator.prealloc_host_rows(req, fill_len): the same "
+            "rows and indices for a new transfer; for a request resuming from retraction "
+            "the rows it kept (no fresh allocation, no copy)",
+            "the coordinator holds the request from here (TRANSFERRING): a failed or "
+            "aborted transfer's request_finished frees its host rows (0.5.13 leaves them)",
+        ),
+        tests=("tests/test_disaggregation.py", "tests/test_pd_node.py"),
+    ),
     # --- PD disaggregation with a draft model, DeepSeek-V4 (HiSparse or not).
     Entry(
         target=f"{_DISAGG_UTILS}.setup_state_kv_args",
@@ -1101,13 +1125,6 @@ DEPENDS: tuple[Entry, ...] = (
         f"{_PREALLOC}._allocatable_token_budgets",
         "the PD token budget is logical_attn_allocator.available_size()",
         (f"{_ALLOC}.available_size",),
-    ),
-    _depends(
-        f"{_PREALLOC}._pre_alloc",
-        "fill_len = prompt + max(outputs - 1, 0); alloc_logical_only over it; host "
-        "rows from mem_pool_host.alloc_paged_token_slots(..., host_token_len(fill_len))",
-        (f"{_ALLOC}.alloc_logical_only", f"{_COORD}.host_token_len", f"{_RETAIN}.restore_retained"),
-        tests=("tests/test_disaggregation.py",),
     ),
     _depends(
         f"{_PREALLOC}.resume_retracted_reqs",

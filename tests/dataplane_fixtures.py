@@ -272,14 +272,28 @@ def prealloc_queue(r2t, alloc, coord, server_args=None):
     return queue
 
 
-def pre_alloc(r2t, alloc, coord, req):
-    """0.5.13 ``DecodePreallocQueue._pre_alloc`` (its HiSparse branch): a
-    request slot, logical slots only, host rows for the transfer (or, after
-    retraction, the restore). Returns the host rows."""
-    from sglang.srt.disaggregation.decode import DecodePreallocQueue
+@functools.lru_cache(maxsize=None)
+def patched_pre_alloc():
+    """``DecodePreallocQueue._pre_alloc`` as the plugin installs it: the
+    release's own source with our manifest's patch applied and compiled in
+    its module (host rows from ``coordinator.prealloc_host_rows``)."""
+    from sglang_hisparse.manifest import ENTRIES
+    from sglang_hisparse.pinned_source import sglang_version
+    from sglang_hisparse.plugin import check_entry
 
+    (entry,) = [e for e in ENTRIES
+                if e.target == "sglang.srt.disaggregation.decode.DecodePreallocQueue._pre_alloc"]
+    check = check_entry(entry, sglang_version())
+    assert check.ok, check.detail
+    return check.hook
+
+
+def pre_alloc(r2t, alloc, coord, req, queue=None):
+    """The patched ``DecodePreallocQueue._pre_alloc`` (its HiSparse branch): a
+    request slot, logical slots only, host rows for the transfer (or, after
+    retraction, the rows the request kept). Returns the host rows."""
     with sglang_server_args():
-        return DecodePreallocQueue._pre_alloc(prealloc_queue(r2t, alloc, coord), req)
+        return patched_pre_alloc()(queue or prealloc_queue(r2t, alloc, coord), req)
 
 
 class _RecordingSocket:

@@ -46,6 +46,15 @@ def is_pd_decode(server_args) -> bool:
     return server_args is not None and str(getattr(server_args, "disaggregation_mode", "")) == "decode"
 
 
+def pd_growth_clip() -> int:
+    """How many new tokens a request is expected to need at most when the
+    PD decode budget reserves for it: SGLang's own clip of max_new_tokens in
+    its PD prealloc estimate (``SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION``)."""
+    from sglang.srt.environ import envs
+
+    return int(envs.SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION.get())
+
+
 def configured_draft_tokens(server_args) -> int:
     """Rows per request of each swap-in: ``--speculative-num-draft-tokens``
     under speculative decoding (its verify steps), else 1."""
@@ -168,6 +177,8 @@ class HiSparseCoordinator(Coordinator):
             engine_options["draft_tokens"] = configured_draft_tokens(server_args)
         if engine_options.get("pd_decode") is None:
             engine_options["pd_decode"] = is_pd_decode(server_args)
+        if engine_options.get("pd_growth_clip") is None and engine_options["pd_decode"]:
+            engine_options["pd_growth_clip"] = pd_growth_clip()
         if "index_roles" not in engine_options:
             engine_options["index_roles"] = configured_index_roles(
                 server_args, token_to_kv_pool_allocator)

@@ -62,6 +62,7 @@ logger = logging.getLogger(__name__)
 S = ReqState
 _RESIDENT, _RESIDENT_JOINING, _PARKED = S.RESIDENT, S.RESIDENT_JOINING, S.PARKED
 _STAGING, _HOST_WAIT, _HOT = S.STAGING, S.HOST_WAIT, S.HOT
+_TRANSFERRING = S.TRANSFERRING
 # Past prefill, not in the running batch: what staged_requests lists and
 # has_ongoing_staging asks about (an abort must still reach these).
 _NOT_IN_BATCH = (S.STAGING, S.HOST_WAIT, S.RESIDENT_JOINING, S.HOT_JOINING, S.PARKED)
@@ -115,6 +116,7 @@ class Coordinator:
         residency: Optional[bool] = None,
         parking: Optional[bool] = None,
         pd_decode: bool = False,
+        pd_growth_clip: Optional[int] = None,
         exactness_check: Optional[bool] = None,
         draft_tokens: int = 1,
         index_roles: Optional[LayerRoles] = None,
@@ -224,6 +226,11 @@ class Coordinator:
         self.parking = Parking(self, enabled=bool(parking) and not self.is_dsv4_hisparse)
         self.retain = RetainOnRetract(self, enabled=bool(pd_decode) and not self.is_dsv4_hisparse)
         self.pd_decode = bool(pd_decode)
+        # PD decode admission holds back, in host rows, the tokens every
+        # request on the node may still decode (max_new_tokens, clipped as
+        # SGLang clips its own estimate): retraction keeps KV on host, so it
+        # cannot give host rows back to the running requests.
+        self.pd_growth_clip = pd_growth_clip
 
         if exactness_check is None:
             exactness_check = os.environ.get(CHECK_ENV) == "1"
@@ -255,6 +262,7 @@ class Coordinator:
                 alloc.set_residency(self.residency.reclaimable_rows, self.residency.reclaim_rows)
             if self.retain.enabled:
                 alloc.set_retraction(self.retain.take_retained, self.retain.restore_retained)
+                alloc.set_host_reserve(self.pd_host_reserve)
 
     # ------------------------------------------------------------ helpers
     def _page_up(self, n: int) -> int:
@@ -310,13 +318,15 @@ class Coordinator:
         buffer_size, host_len = self.tables.buffer_size_np, self.tables.host_len_np
         # States as locals: an enum member read is an attribute lookup a time.
         resident, joining, parked = _RESIDENT, _RESIDENT_JOINING, _PARKED
-        staging, host_wait = _STAGING, _HOST_WAIT
+        staging, host_wait, transferring = _STAGING, _HOST_WAIT, _TRANSFERRING
         for idx, rec in self.requests.records():
             state = rec.state
             if state is resident or state is joining:
                 held = rec.resident_rows
-            elif state is parked:
-                held = P  # claims rows only when it joins (checked then)
+            elif state is parked or state is transferring:
+                # Claims rows only when it joins (checked then); SGLang's PD
+                # prealloc budget already counts a hot buffer per transfer.
+                held = P
             elif state is staging or state is host_wait:
                 # Rows it still holds from prefill, in this pool's units (C4 rows for V4).
                 held = page_up(host_tokens(self.prefill_len(rec.req)))
@@ -328,6 +338,42 @@ class Coordinator:
             if need > 0:
                 host += need
         return phys, host
+
+    def pd_host_reserve(self) -> int:
+        """Host rows the PD decode token budget holds back
+        (``logical_attn_allocator.available_size()``, what the prealloc and
+        the resumption of retracted requests admit against): for every
+        request holding host rows on the node, live or retracted, the rows it
+        may still fill: its prompt plus max_new_tokens (clipped by
+        ``pd_growth_clip``), less the rows it holds; at least the rows its
+        allocated tokens still need. A retracted request's kept rows count as
+        free there (SGLang's budget takes each retracted request's whole
+        length off again), less what it may still fill. Negative: a credit."""
+        clip = self.pd_growth_clip
+        page_up, host_tokens = self._page_up, self.host_token_len
+        host_len = self.tables.host_len_np
+        reserve = 0
+        for idx, rec in self.requests.records():
+            req = rec.req
+            held = int(host_len[idx])
+            need = page_up(host_tokens(req.kv_allocated_len)) - held
+            grow = page_up(host_tokens(self._final_len(req, clip))) - held
+            reserve += max(need, grow, 0)
+        for kept in self.retain.kept():
+            held = kept.rows.numel()
+            grow = page_up(host_tokens(self._final_len(kept.req, clip))) - held
+            reserve += max(grow, 0) - held
+        return reserve
+
+    @staticmethod
+    def _final_len(req, clip: Optional[int]) -> int:
+        """The longest the request may grow: prompt + max_new_tokens (clipped)."""
+        new = req.sampling_params.max_new_tokens
+        if new is None:
+            new = clip or 0
+        elif clip is not None:
+            new = min(new, clip)
+        return len(req.origin_input_ids) + int(new)
 
     def _buffer_size_for(self, num_tokens: int) -> int:
         size = min(self._page_up(num_tokens), self.device_buffer_size)
@@ -540,10 +586,27 @@ class Coordinator:
         rec.skip_first_backup = True
         return True
 
+    def prealloc_host_rows(self, req, fill_len: int) -> torch.Tensor:
+        """PD decode prealloc (0.5.13 ``DecodePreallocQueue._pre_alloc``,
+        patched): the host rows the prefill node writes the request's KV
+        into, or, for a request resuming from retraction, the rows it kept
+        (nothing new taken for what they hold). The request is held as
+        TRANSFERRING from here, so every way out frees its host rows."""
+        idx = req.req_pool_idx
+        self.retain.adopt(req)
+        rows = self.mem_pool_host.alloc_paged_token_slots(
+            self.req_to_host_pool, self.req_to_host_pool_allocated_len, idx, 0,
+            self.host_token_len(fill_len))
+        self.requests.admit(req, S.TRANSFERRING)
+        return rows
+
     def admit_request_direct(self, req) -> None:
         """PD decode: KV already on host (req_to_host_pool filled by the prealloc)."""
         if not self.join_from_host(req):
-            self._reset_slot(req.req_pool_idx)  # the host rows the prealloc gave it
+            if self.requests.holds(req):
+                self.request_finished(req)  # and the host rows the prealloc gave it
+            else:
+                self._reset_slot(req.req_pool_idx)
             self._drift(req, f"no physical rows for the hot buffer of {req.rid}")
 
     def _preload_to_device_buffer(self, req, n: int) -> None:
@@ -828,7 +891,7 @@ class Coordinator:
                 if self.streams.gpu:
                     self.write_staging_stream.synchronize()
             self.free_prefill_rows(req)
-        elif state is S.PARKED:
+        elif state is S.PARKED or state is S.TRANSFERRING:
             pass  # holds no device row; its host rows go below
         elif state.is_resident:
             self.streams.before_release()

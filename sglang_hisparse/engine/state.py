@@ -20,9 +20,12 @@ Lifecycle (colocated, DSA)::
                                        |  no rows yet        |
                                        +--> PARKED --join----+
 
-PD decode admits straight into HOT (its KV arrived on host), and so does a
-request resuming from KV it kept on host when it was retracted. Any state
-ends by release (finish, abort, retract), which removes the record.
+PD decode holds a request from its prealloc on: TRANSFERRING while the
+prefill node writes its KV into the host rows the prealloc gave it (or,
+resuming, while it takes back the rows it kept on host when it was
+retracted), then HOT once it is admitted (its KV is all on host). Any state
+ends by release (finish, abort, retract, a failed transfer), which removes
+the record.
 
 ``req.hisparse_staging`` is SGLang's own attribute on ``Req`` (0.5.13 only
 initialises it); the table keeps it equal to :attr:`ReqState.outside_batch`
@@ -51,6 +54,10 @@ class ReqState(enum.Enum):
     RESIDENT = "resident"
     # Decoding from a hot buffer; the authoritative KV is on host.
     HOT = "hot"
+    # PD decode: holds the host rows its prealloc took (the transfer's
+    # destination, or the rows it kept when retracted) and no device row;
+    # admitted as HOT once its KV is there.
+    TRANSFERRING = "transferring"
 
     # Members are singletons, compared by identity: hash them by identity too,
     # in C (Enum's own __hash__ is Python code, and the table hashes a state
@@ -75,7 +82,8 @@ _OUTSIDE_BATCH = frozenset(
 # None stands for "not held by the coordinator" (before admission, after release).
 _S = ReqState
 TRANSITIONS: Dict[Optional[ReqState], frozenset] = {
-    None: frozenset((_S.HOST_WAIT, _S.STAGING, _S.RESIDENT_JOINING, _S.HOT)),
+    None: frozenset((_S.HOST_WAIT, _S.STAGING, _S.RESIDENT_JOINING, _S.HOT, _S.TRANSFERRING)),
+    _S.TRANSFERRING: frozenset((_S.HOT, None)),
     _S.HOST_WAIT: frozenset((_S.STAGING, None)),
     _S.STAGING: frozenset((_S.HOT, _S.PARKED, None)),
     _S.PARKED: frozenset((_S.HOT, None)),

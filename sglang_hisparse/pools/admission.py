@@ -111,6 +111,9 @@ class HostBackedAdmission(BaseTokenToKVPoolAllocator):
         self._reclaimable: Callable[[], int] = lambda: 0
         self._reclaim: Optional[Callable[[int], int]] = None
         self._retraction: Optional[tuple] = None  # (take, restore), PD decode
+        # PD decode: host rows the token budget holds back (engine/coordinator.py
+        # pd_host_reserve); None: the host rows live requests still owe.
+        self._host_reserve: Optional[Callable[[], int]] = None
         self.hisparse_attn_allocator._budget = self._physical_rows_available
         if self._logical_free_list is not None:
             self._logical_free_list._budget = self._logical_slots_available
@@ -191,6 +194,9 @@ class HostBackedAdmission(BaseTokenToKVPoolAllocator):
         host = self._host_pool
         if host is None:
             return admission_budgets(0, 0, 0, 0, free_logical, None, 0)[0]
+        if self._host_reserve is not None:
+            return admission_budgets(0, 0, 0, 0, free_logical, host.available_size(),
+                                     self._host_reserve())[0]
         provider = self._reservation_provider
         host_owed = provider()[1] if provider is not None else 0
         return admission_budgets(0, 0, 0, 0, free_logical, host.available_size(), host_owed)[0]
@@ -210,6 +216,14 @@ class HostBackedAdmission(BaseTokenToKVPoolAllocator):
         just retracted; ``restore(kept, indices)`` gives it back to the
         resumed request."""
         self._retraction = (take, restore)
+
+    def set_host_reserve(self, reserve: Callable[[], int]) -> None:
+        """PD decode: ``reserve() -> host rows`` the token budget
+        (``logical_attn_allocator.available_size()``) holds back instead of
+        the rows live requests owe: what every request on the node may still
+        write (retraction frees no host row), a retracted request's kept
+        rows counted free."""
+        self._host_reserve = reserve
 
     def get_cpu_copy(self, indices, mamba_indices=None):
         if self._retraction is None:

@@ -17,14 +17,24 @@ copied back and forth:
   :class:`RetainedHostKV` and releases its hot buffer as usual;
 * the allocator's ``get_cpu_copy`` hands that object to SGLang, which keeps
   it on the request as ``kv_cache_cpu`` while it waits in the retracted queue;
-* ``load_cpu_copy`` puts the retained rows into the request's new host-row
-  table (giving back the rows ``_pre_alloc`` just took for it) and admits the
-  request as if its KV had just arrived (``admit_request_direct``);
+* when SGLang resumes it, ``_pre_alloc`` (patched) asks the coordinator for
+  its host rows, which puts the retained rows back into the request's new
+  host-row table (:meth:`RetainOnRetract.adopt`): nothing is allocated for
+  what they hold, so a request resumes even when the pool is full of kept
+  KV; ``load_cpu_copy`` then admits it as if its KV had just arrived
+  (``admit_request_direct``);
 * an abort while retracted frees the retained rows
   (:func:`sglang_hisparse.adapter.scheduler.scheduler_abort_request`).
 
 A request aborted in the same retraction (SGLang aborts the last one when
 even it does not fit) is released whole instead: it will not come back.
+
+Retraction frees no host row, so it cannot make room on host for the
+running requests: the PD token budget (``Coordinator.pd_host_reserve``)
+holds back what every request on the node, retracted ones included, may
+still write, and SGLang's prealloc keeps the next prompt waiting until that
+fits. The policy lists the retained KV it has handed out (:meth:`kept`) for
+that count.
 DeepSeek-V4's compressed pools keep 0.5.13's behaviour (not supported).
 """
 
@@ -52,6 +62,8 @@ class RetainedHostKV:
     rows: Optional[torch.Tensor]
     allocated_len: int
     req: object = None
+    # Set when the rows went back into the resumed request's table (adopt).
+    adopted: bool = False
 
     @property
     def holds_rows(self) -> bool:
@@ -71,6 +83,12 @@ class RetainOnRetract:
         # right after retract_req for the same request (0.5.13
         # ScheduleBatch.release_req), so one slot suffices; it must be empty.
         self._pending: Optional[RetainedHostKV] = None
+        # Retained KV SGLang holds (retracted queue), by id, in retraction order.
+        self._kept: dict = {}
+
+    def kept(self):
+        """The retained KV of every retracted request (rows still held)."""
+        return self._kept.values()
 
     def retains(self, req) -> bool:
         return (self.enabled and getattr(req, "to_finish", None) is None
@@ -116,32 +134,43 @@ class RetainOnRetract:
             raise RuntimeError(
                 f"HiSparse: retraction snapshot of {kept.rid} covers {kept.num_tokens} "
                 f"tokens, SGLang asked for {num_tokens}")
+        if kept.holds_rows:
+            self._kept[id(kept)] = kept
         return kept
 
-    def restore_retained(self, kept, token_indices) -> None:
-        """``load_cpu_copy``: the request is back with a new slot and new host
-        rows from ``_pre_alloc``; swap in the retained rows and admit it."""
+    def adopt(self, req) -> None:
+        """``_pre_alloc`` of a resuming request (it still carries its
+        ``kv_cache_cpu``): its kept rows become its new slot's host rows, so
+        the prealloc allocates only what they do not cover."""
+        kept = getattr(req, "kv_cache_cpu", None)
         if not isinstance(kept, RetainedHostKV) or not kept.holds_rows:
+            return
+        coord, idx = self.coord, req.req_pool_idx
+        if int(coord.req_to_host_pool_allocated_len[idx]):
+            raise RuntimeError(f"HiSparse: {req.rid} resumes into slot {idx}, which holds host rows")
+        coord.req_to_host_pool[idx, :kept.rows.numel()] = kept.rows
+        coord.req_to_host_pool_allocated_len[idx] = kept.allocated_len
+        kept.rows, kept.adopted = None, True
+        self._kept.pop(id(kept), None)
+
+    def restore_retained(self, kept, token_indices) -> None:
+        """``load_cpu_copy``: the request is back with a new slot, its kept
+        rows already its host rows (``_pre_alloc`` adopted them); admit it."""
+        if not isinstance(kept, RetainedHostKV) or not kept.adopted:
             raise RuntimeError(
                 "HiSparse: load_cpu_copy got no retained host KV (the request was "
-                "released whole when it was retracted)")
-        coord = self.coord
-        req = kept.req
-        idx = req.req_pool_idx
+                "released whole when it was retracted, or its prealloc did not take "
+                "its kept rows back)")
         if len(token_indices) != kept.num_tokens:
             raise RuntimeError(
                 f"HiSparse: {kept.rid} resumes with {len(token_indices)} tokens, "
                 f"retained {kept.num_tokens}")
-        coord.mem_pool_host.release_request_rows(
-            coord.req_to_host_pool, coord.req_to_host_pool_allocated_len, idx)
-        coord.req_to_host_pool[idx, :kept.rows.numel()] = kept.rows
-        coord.req_to_host_pool_allocated_len[idx] = kept.allocated_len
-        kept.rows = None
-        coord.admit_request_direct(req)
+        self.coord.admit_request_direct(kept.req)
 
     def release_retained(self, kept) -> None:
         """Free a retained request's host rows (aborted while retracted)."""
         if isinstance(kept, RetainedHostKV):
+            self._kept.pop(id(kept), None)
             if kept.holds_rows:
                 self.coord.mem_pool_host.free(kept.rows[kept.rows >= 0])
             kept.rows = None
