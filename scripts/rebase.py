@@ -23,7 +23,8 @@ download`` wheel unzipped). For every manifest entry this prints one of:
   ported    a source patch a person rewrote against the new source (--patch);
             it must apply there, and is written as that release's patch
   new       refreshing an existing pin (DIR is that release): an entry added
-            since the pin was written; its hash is taken from DIR. Also an
+            since the pin was written; its hash is taken from DIR (a new source
+            patch: with its diff named by ``--patch``, which must apply). Also an
             entry whose target first exists in DIR (``since``): the old
             release has none to compare with
   n/a       an entry whose target the release does not have (``since``, ``until``)
@@ -246,6 +247,20 @@ def rebase(root: Path, write: bool, accept: tuple[str, ...] = (), out: Path | No
         if old not in e.sha256:
             # Written against NEW when the old release has no such target.
             first_here = not e.applies_to(old)
+            if refresh and e.kind is Kind.SOURCE_PATCH and e.target in ported:
+                # A new source patch, written against this release's source
+                # and named with --patch: it must apply here.
+                diff_text = Path(ported.pop(e.target)).read_text()
+                try:
+                    apply_unified_diff(e.target, src.text, diff_text)
+                except PatchError as exc:
+                    print(f"  review   {e.target}: the new patch does not apply: {exc.reason}")
+                    needs_human += 1
+                    continue
+                print(f"  new      {e.target} ({src.path.name}:{src.first_line}, patch given)")
+                diffs[e.target] = diff_text
+                hashes[e.target] = src.sha256
+                continue
             if (not refresh and not first_here) or e.kind is Kind.SOURCE_PATCH:
                 # Added since the old pin was written: refresh that pin first
                 # (the entry was written against one of the pinned sources).

@@ -712,6 +712,32 @@ HOOKS: tuple[Entry, ...] = (
         ),
         tests=("tests/test_disaggregation.py", "tests/test_pd_node.py"),
     ),
+    # --- PD prefill: a failed state transfer must fail the request (any server).
+    Entry(
+        target="sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.transfer_worker",
+        kind=Kind.SOURCE_PATCH,
+        sha256=None,
+        why=(
+            "The prefill's transfer worker sends the last chunk's state data (DSA's "
+            "indexer K, SWA windows, Mamba states) with maybe_send_extra and drops its "
+            "return code: a failed state transfer is reported to the decode as Success, "
+            "which then decodes on an index K it never received (silent corruption, no "
+            "log line). Ours fails the request as a failed KV chunk does. It runs on the "
+            "prefill server, which has no --enable-hisparse, and is a fix for any "
+            "server: scope ALWAYS, whatever the decode side runs."
+        ),
+        native_in=None,
+        upstream="none: 0.5.15.post1 srt/disaggregation/mooncake/conn.py:1378-1392 still drops it",
+        scope=Scope.ALWAYS,
+        removal="drop on the first pin whose transfer_worker checks maybe_send_extra's return code",
+        process=Process.SCHEDULER,
+        behaviour=(
+            "a non-zero return of maybe_send_extra makes the request's poll Failed on "
+            "prefill and decode (0.5.13: Success), with a failure record naming the room "
+            "and the decode endpoint",
+        ),
+        tests=("tests/test_pd_transfer.py",),
+    ),
     # --- PD disaggregation with a draft model, DeepSeek-V4 (HiSparse or not).
     Entry(
         target=f"{_DISAGG_UTILS}.setup_state_kv_args",
