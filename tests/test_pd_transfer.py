@@ -196,3 +196,65 @@ def test_doctor_reports_the_engine_it_loaded_and_its_transports(engine_env):
     from sglang_hisparse.transfer_engine import verbs_devices
 
     assert ("rdma      yes" if verbs_devices() else "rdma      no ") in out
+
+
+# --- the prefill's transfer worker (the manifest's transfer_worker patch)
+@pytest.mark.parametrize("extra_rc,want", [(0, "Success"), (-1, "Failed")])
+def test_a_failed_state_transfer_fails_the_request(extra_rc, want):
+    """0.5.13's ``MooncakeKVManager.transfer_worker`` as the plugin installs it,
+    on the last chunk of a request with DSA state (the indexer K): its
+    ``maybe_send_extra`` failing must fail the request on both sides (0.5.13
+    dropped the return code and reported Success). The manager is 0.5.13's
+    (status, failure records and the worker's control flow are its own code);
+    what would touch the network here (the KV, state and aux sends, the
+    status sent to the decode) answers with the given return codes: the
+    Mooncake engine cannot be loaded on a machine without the verbs
+    libraries, and the engine-level failure itself is covered above."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.common.utils import FastQueue, TransferKVChunk
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager, TransferInfo
+
+    from sglang_hisparse.manifest import ENTRIES
+    from sglang_hisparse.pinned_source import sglang_version
+    from sglang_hisparse.plugin import check_entry
+
+    (entry,) = [e for e in ENTRIES if e.target.endswith("MooncakeKVManager.transfer_worker")]
+    check = check_entry(entry, sglang_version())
+    assert check.ok, check.detail
+    room, session = 4242, "127.0.0.1:15000"
+    mgr = object.__new__(MooncakeKVManager)
+    synced = []
+    mgr.__dict__.update(
+        enable_trace=False, enable_staging=False, request_status={room: KVPoll.Transferring},
+        failure_records={}, failure_lock=threading.Lock(), session_lock=threading.Lock(),
+        failed_sessions=set(), session_failures={}, req_to_decode_prefix_len={},
+        is_mla_backend=True, attn_tp_rank=0, attn_tp_size=1, pp_size=1, pp_rank=0,
+        attn_cp_size=1, attn_cp_rank=0, bootstrap_port=8998,
+        decode_kv_args_table={session: type("Reg", (), {"dst_kv_ptrs": [0], "dst_aux_ptrs": [0],
+                                                        "dst_attn_tp_size": 1})()},
+        transfer_infos={room: {session: TransferInfo(
+            room=room, endpoint="127.0.0.1", dst_port=17000, mooncake_session_id=session,
+            dst_kv_indices=np.arange(2, dtype=np.int32), dst_aux_index=0,
+            dst_state_indices=[[3, 4]], required_dst_info_num=1, is_dummy=False)}},
+        send_kvcache=lambda *a: 0, send_aux=lambda *a: 0,
+        maybe_send_extra=lambda *a: extra_rc,
+        sync_status_to_decode_endpoint=lambda ep, port, r, status, rank: synced.append(status))
+    work = FastQueue()
+    work.put(TransferKVChunk(room=room, prefill_kv_indices=np.arange(2, dtype=np.int32),
+                             index_slice=slice(0, 2), is_last_chunk=True, prefill_aux_index=0,
+                             state_indices=[[5, 6]]))
+    worker = threading.Thread(target=check.hook, args=(mgr, work, ThreadPoolExecutor(1)),
+                              daemon=True)
+    worker.start()
+    for _ in range(500):
+        if synced:
+            break
+        threading.Event().wait(0.01)
+    status = getattr(KVPoll, want)
+    assert synced == [status]
+    assert mgr.request_status.get(room, KVPoll.Success) == status
+    assert (room in mgr.failure_records) == (want == "Failed")
