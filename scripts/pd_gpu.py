@@ -338,9 +338,21 @@ def stop_all():
 _DECODE_LINE = re.compile(r"Decode batch.*")
 
 
-def decode_facts(text: str) -> dict:
+# What 0.5.13 logs once at start-up (so found in the whole log, not in the
+# part since a workload's mark): its PD hook's rewrite of ``mooncake_tcp``
+# (arg_groups/pd_disaggregation_hook.py:24) or the Mooncake engine's own
+# choice (transfer_engine_impl.cpp), and the decode's forced chunk cache (:56).
+_TCP_TRANSPORT = re.compile(r"MC_FORCE_TCP is set, using TCP transport only"
+                            r"|with MC_FORCE_TCP=1 \(TCP transport, no RDMA\)")
+_CHUNK_CACHE_FORCED = "KV cache is forced as chunk cache for decode server"
+
+
+def decode_facts(text: str, startup: str | None = None) -> dict:
     """What a PD decode server's log says: transfers failed, retractions,
-    queue lengths and host tokens of its last decode log line."""
+    queue lengths and host tokens of its last decode log line (from
+    ``text``, the log since a mark), and how it started (from ``startup``,
+    the whole log; ``text`` when not given)."""
+    startup = text if startup is None else startup
     lines = _DECODE_LINE.findall(text)
     last = lines[-1] if lines else ""
 
@@ -362,8 +374,8 @@ def decode_facts(text: str) -> dict:
         "last_transfer_req": field("#transfer-req"),
         "last_retracted_req": field("#retracted-req"),
         "last_running_req": field("#running-req"),
-        "tcp_transport": "MC_FORCE_TCP" in text or "TCP transport" in text,
-        "chunk_cache_forced": "forced as chunk cache for decode server" in text,
+        "tcp_transport": bool(_TCP_TRANSPORT.search(startup)),
+        "chunk_cache_forced": _CHUNK_CACHE_FORCED in startup,
         "traceback": "Traceback" in text,
         "drift": re.findall(r"#hisparse drift: (\d+)", text)[-1:] or None,
     }
@@ -449,7 +461,7 @@ def part_exact(nodes, results, args):
         "check": e2e.check_verdict("ours", stats) if args.check else None,
         "exact_checked": stats.get("exact_checked"), "exact_mismatch": stats.get("exact_mismatch"),
         "hisparse_misses": stats.get("hisparse_misses"),
-        "decode_log": decode_facts(text), "router": dict(router.counts),
+        "decode_log": decode_facts(text, ours.text()), "router": dict(router.counts),
     }
     ours.stop()
     mark = fake.mark()
@@ -464,7 +476,7 @@ def part_exact(nodes, results, args):
     verdict["pd-fake"] = {"exactness": ex, "identical_requests": n_same,
                           # Only completed requests count: a crash is not a divergence.
                           "diverged": 0 <= n_same < len(got_fake["smoke"]["requests"]),
-                          "decode_log": decode_facts(fake.text(mark))}
+                          "decode_log": decode_facts(fake.text(mark), fake.text())}
     fake.stop()
     v = verdict["pd-ours"]
     ok = (v["errors"] == 0 and not v["decode_log"]["transfer_failed"]
@@ -493,7 +505,7 @@ def part_retract(nodes, results, args):
             probe = probe_after(router.url)
         finally:
             router.close()
-        facts = decode_facts(node.text(mark))
+        facts = decode_facts(node.text(mark), node.text())
         results[name] = {"pdretract": got}
         ex = exactness(ref, got, args)
         verdict[name] = {
@@ -545,7 +557,7 @@ def part_faults(nodes, results, args):
             list(ex.map(lambda k: _send_and_hang_up(router.url, e2e.make_ids(12000, 70 + k), 0.3),
                         range(4)))
         time.sleep(5)
-        verdict["abort_in_flight"] = {"decode_log": decode_facts(node.text(mark))}
+        verdict["abort_in_flight"] = {"decode_log": decode_facts(node.text(mark), node.text())}
         next_ok("abort_in_flight")
         # 2. A prompt longer than the decode's device pool: 0.5.13's capacity
         # check (disaggregation/decode.py:542) must answer 400, naming the sizes.
@@ -576,7 +588,7 @@ def part_faults(nodes, results, args):
         prefill.srv.log.close()
         time.sleep(3)
         verdict["prefill_killed"] = {"outcomes": outcomes,
-                                     "decode_log": decode_facts(node.text(mark))}
+                                     "decode_log": decode_facts(node.text(mark), node.text())}
         # A new prefill on the same bootstrap port, then the next request.
         fresh = Node("prefill2", "base", prefill_flags(args), args.logs, args.model, env=PD_ENV)
         if fresh.wait_ready():
@@ -613,7 +625,7 @@ def part_capacity(nodes, results, args):
         verdict[name] = {k: got.get(k) for k in ("decode_only_tok_s", "decode_only_running",
                                                   "decode_only_lines", "output_tok_s", "wall_s")}
         verdict[name]["errors"] = len(got["errors"])
-        verdict[name]["decode_log"] = decode_facts(node.text(mark))
+        verdict[name]["decode_log"] = decode_facts(node.text(mark), node.text())
         node.stop()
     b, o = verdict["pd-base"]["decode_only_tok_s"], verdict["pd-cap"]["decode_only_tok_s"]
     verdict["ratio"] = o / b if b and o else None

@@ -25,8 +25,10 @@ from sglang_hisparse.pinned_source import installed_sglang_root, read_pinned_sou
 from sglang_hisparse.plugin import check_entry
 
 PIN = sglang_version()  # the installed release: CI runs the suite on each pin
-PRE_ALLOC = "sglang.srt.disaggregation.decode.DecodePreallocQueue._pre_alloc"
-FILL_LEN = "fill_len = len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)"
+# A DEPENDS target and a line of it our code relies on (the resume order
+# RetainOnRetract serves: _pre_alloc, then load_kv_cache).
+RESUME = "sglang.srt.disaggregation.decode.DecodePreallocQueue.resume_retracted_reqs"
+RESUME_ORDER = "            self._pre_alloc(req)\n"
 
 
 def overlay_root(tmp_path: Path, target: str, old: str, new: str) -> Path:
@@ -40,11 +42,12 @@ def overlay_root(tmp_path: Path, target: str, old: str, new: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def changed_pre_alloc(tmp_path_factory):
-    """0.5.13 with _pre_alloc's fill length changed (what our PD mirror assumes)."""
+def changed_resume(tmp_path_factory):
+    """0.5.13 with resume_retracted_reqs no longer preallocating before it
+    loads the KV (the order our retention relies on)."""
     return overlay_root(
-        tmp_path_factory.mktemp("changed"), PRE_ALLOC, FILL_LEN,
-        "fill_len = len(req.origin_input_ids) + len(req.output_ids)",
+        tmp_path_factory.mktemp("changed"), RESUME, RESUME_ORDER,
+        "            pass\n",
     )
 
 
@@ -175,21 +178,21 @@ def test_every_0_5_13_function_that_calls_into_our_data_plane_is_an_entry():
 
 
 # ------------------------------------------------------------ a changed dependency
-def test_changed_depends_target_fails_its_check(changed_pre_alloc):
-    (entry,) = [e for e in DEPENDS if e.target == PRE_ALLOC]
-    check = check_entry(entry, PIN, changed_pre_alloc, build=False)
+def test_changed_depends_target_fails_its_check(changed_resume):
+    (entry,) = [e for e in DEPENDS if e.target == RESUME]
+    check = check_entry(entry, PIN, changed_resume, build=False)
     assert not check.ok and "source changed" in check.detail
     # The rest of the overlay is the pin.
-    other = next(e for e in DEPENDS if e.target.endswith("resume_retracted_reqs"))
-    assert check_entry(other, PIN, changed_pre_alloc, build=False).ok
+    other = next(e for e in DEPENDS if e.target.endswith("_allocatable_token_budgets"))
+    assert check_entry(other, PIN, changed_resume, build=False).ok
 
 
-def test_activation_refuses_a_release_whose_dependency_changed(changed_pre_alloc):
+def test_activation_refuses_a_release_whose_dependency_changed(changed_resume):
     proc = run_python(
         f"""
         import json, pathlib
         import sglang_hisparse.pinned_source as ps
-        ps.installed_sglang_root = lambda: pathlib.Path({str(changed_pre_alloc)!r})
+        ps.installed_sglang_root = lambda: pathlib.Path({str(changed_resume)!r})
         from sglang_hisparse.plugin import activate
         from sglang.srt.plugins.hook_registry import HookRegistry
         from sglang.srt.managers.scheduler import Scheduler
@@ -204,8 +207,8 @@ def test_activation_refuses_a_release_whose_dependency_changed(changed_pre_alloc
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert not res["applied"] and res["failed"] == [PRE_ALLOC]
-    assert PRE_ALLOC in res["error"] and "source changed" in res["error"]
+    assert not res["applied"] and res["failed"] == [RESUME]
+    assert RESUME in res["error"] and "source changed" in res["error"]
     assert "nothing was patched" in res["error"]
     assert res["hooks"] == 0 and res["untouched"]
     assert f"sglang-hisparse not activated: 1 manifest entry failed on sglang {PIN}" in proc.stderr
@@ -243,14 +246,14 @@ def test_doctor_verbose_prints_behaviour_lines():
     assert "behaviour" not in plain.getvalue()
 
 
-def test_doctor_names_a_changed_dependency(changed_pre_alloc):
+def test_doctor_names_a_changed_dependency(changed_resume):
     from sglang_hisparse.doctor import run_doctor
 
     out = io.StringIO()
-    assert run_doctor(changed_pre_alloc, out=out) == 1
+    assert run_doctor(changed_resume, out=out) == 1
     lines = out.getvalue().splitlines()
     (i,) = [n for n, line in enumerate(lines) if line.startswith("  FAIL")]
-    assert lines[i] == f"  FAIL DEPENDS      scheduler {PRE_ALLOC}"
+    assert lines[i] == f"  FAIL DEPENDS      scheduler {RESUME}"
     assert lines[i + 1].strip().startswith("-> source changed")
     assert "engine.policies.retain_on_retract:RetainOnRetract.restore_retained" in " ".join(
         lines[i + 2 : i + 5])
@@ -263,31 +266,31 @@ def _rebase(*args):
     )
 
 
-def test_rebase_sends_a_changed_dependency_to_a_person(changed_pre_alloc):
-    proc = _rebase(str(changed_pre_alloc))  # DIR, as DEVELOPERS.md runs it
+def test_rebase_sends_a_changed_dependency_to_a_person(changed_resume):
+    proc = _rebase(str(changed_resume))  # DIR, as DEVELOPERS.md runs it
     assert proc.returncode == 1, proc.stderr[-3000:]
     out = proc.stdout
     lines = out.splitlines()
-    (i,) = [n for n, line in enumerate(lines) if line.startswith(f"  changed  {PRE_ALLOC} (decode.py:")]
-    (entry,) = [e for e in DEPENDS if e.target == PRE_ALLOC]
+    (i,) = [n for n, line in enumerate(lines) if line.startswith(f"  changed  {RESUME} (decode.py:")]
+    (entry,) = [e for e in DEPENDS if e.target == RESUME]
     assert [line.strip() for line in lines[i + 1 : i + 1 + len(entry.relied_on_by)]] == [
         f"relied on by {who}" for who in entry.relied_on_by]
     for e in entries_of(PIN):
-        if e.target != PRE_ALLOC:
+        if e.target != RESUME:
             assert f"  same     {e.target}\n" in out, e.target
     assert "1 entry needs a human" in out
-    same = _rebase("--sglang-root", str(changed_pre_alloc))
+    same = _rebase("--sglang-root", str(changed_resume))
     assert same.stdout == out
 
 
-def test_rebase_takes_a_dependency_a_person_accepted(changed_pre_alloc, tmp_path):
-    proc = _rebase(str(changed_pre_alloc), "--write", "--accept", PRE_ALLOC, "--out", str(tmp_path))
+def test_rebase_takes_a_dependency_a_person_accepted(changed_resume, tmp_path):
+    proc = _rebase(str(changed_resume), "--write", "--accept", RESUME, "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    assert f"  accepted {PRE_ALLOC} (decode.py:" in proc.stdout
+    assert f"  accepted {RESUME} (decode.py:" in proc.stdout
     (pin,) = tmp_path.glob("sglang-*/pin.json")
     written = json.loads(pin.read_text())["sha256"]
-    assert written[PRE_ALLOC] == read_pinned_source(PRE_ALLOC, changed_pre_alloc).sha256
-    assert written[PRE_ALLOC] != read_pinned_source(PRE_ALLOC).sha256
+    assert written[RESUME] == read_pinned_source(RESUME, changed_resume).sha256
+    assert written[RESUME] != read_pinned_source(RESUME).sha256
     assert {e.target for e in entries_of(PIN)} == set(written)
 
 

@@ -148,6 +148,23 @@ def test_decode_facts_and_pools_back_read_the_last_decode_line():
     assert pd.pools_back(pd.decode_facts("")) is None
 
 
+def test_decode_facts_read_how_the_server_started_from_the_whole_log():
+    # 0.5.13's own start-up lines (run 3 of 2026-12-02-third): they precede
+    # any workload's mark, so the facts read them from the whole log.
+    startup = (
+        "[x] disaggregation transfer backend 'mooncake_tcp' -> mooncake with MC_FORCE_TCP=1 "
+        "(TCP transport, no RDMA)\n"
+        "[x] KV cache is forced as chunk cache for decode server\n"
+        "I1202 transfer_engine_impl.cpp:250] MC_FORCE_TCP is set, using TCP transport only\n")
+    after_mark = LOG.split("\n", 1)[1]
+    f = pd.decode_facts(after_mark, startup + after_mark)
+    assert f["tcp_transport"] and f["chunk_cache_forced"] and f["retractions"] == 3
+    assert not pd.decode_facts(after_mark)["tcp_transport"]
+    # a run on RDMA logs neither line
+    rdma = pd.decode_facts(after_mark, "[x] KV cache is forced as chunk cache for decode server\n")
+    assert not rdma["tcp_transport"] and rdma["chunk_cache_forced"]
+
+
 def test_each_pd_configuration_gets_its_flags(monkeypatch, tmp_path):
     made = []
 
