@@ -77,6 +77,12 @@
 #             GF_BOUND_LAYERS (8) layers of the V3.2 geometry, configs
 #             GF_BOUND_CONFIGS (base,ours,noio), synthetic as above, one
 #             launch each. ~2-3 min per launch.
+#   stream    the streaming policy on and off, side by side (tiny model):
+#             configs GF_STREAM_CONFIGS (ours,nostream,base), workload
+#             GF_STREAM_WORKLOAD (decodebound: 16 x 32K x 1024 out at
+#             --max-total-tokens 72000), one launch each; the gap table's
+#             "worst gap / own median" is the target (<= 10 for ours).
+#             ~1.5-2 min per launch warm.
 #   kbench    the swap-in kernel alone (waits for bg-tests): bench_kernels.py
 #             --quick (ours vs the gather floor and 0.5.13's, batch 1/32, miss
 #             0/13/100%) and --verify 2,4 (speculative verify rows: the union
@@ -140,8 +146,8 @@ if [ ${#STAGES[@]} -eq 0 ]; then
   exit 2
 fi
 for s in "${STAGES[@]}"; do
-  case $s in tests|bg-tests|check|fault|e2e|e2e1|e2e2|deep|trace|decode|bound|kbench|mtp|pd|indexshare|jit) ;;
-    *) echo "unknown stage $s (tests bg-tests check fault e2e e2e1 e2e2 deep trace decode bound kbench mtp pd indexshare jit)"; exit 2 ;;
+  case $s in tests|bg-tests|check|fault|e2e|e2e1|e2e2|deep|trace|decode|bound|stream|kbench|mtp|pd|indexshare|jit) ;;
+    *) echo "unknown stage $s (tests bg-tests check fault e2e e2e1 e2e2 deep trace decode bound stream kbench mtp pd indexshare jit)"; exit 2 ;;
   esac
 done
 [ -f scripts/e2e_gpu.py ] && [ -f .gpu/device_env.sh ] || {
@@ -395,6 +401,12 @@ bound_cmd() {
     --workloads decodebound "${LONG_ARGS[@]}" --out "$RUN/bound.json" --logs "$RUN/bound"
 }
 
+stream_cmd() {
+  "${E2E[@]}" --configs "${GF_STREAM_CONFIGS:-ours,nostream,base}" \
+    --workloads "${GF_STREAM_WORKLOAD:-decodebound}" --warmup 0 "${CPU_ARGS[@]}" \
+    --out "$RUN/stream.json" --logs "$RUN/stream"
+}
+
 pd_cmd() {  # the stage's limit in $1 (s): pd_gpu.py keeps ~40 s of it for stopping
   source scripts/mooncake_env.sh .bundle/mooncake.tar.xz || return 1  # explicit: a sourced file sees the function's $1
   echo "mooncake_env: $(python3 -c 'import mooncake.engine as m; print(m.__file__)')"
@@ -448,6 +460,10 @@ trace_cmd"
     bound)
       run_stage bound 200 560 bash -c "$(declare -f v32_model bound_cmd); $(declare -p E2E LONG_ARGS RUN WORK); bound_cmd"
       show bound ;;
+    stream)
+      wait_bg
+      run_stage stream 200 560 bash -c "$(declare -f stream_cmd); $(declare -p E2E CPU_ARGS RUN); stream_cmd"
+      show stream ;;
     mtp)
       run_stage mtp 150 "${GF_MTP_CAP_S:-420}" bash -c "$(declare -f mtp_cmd); $(declare -p E2E RUN); mtp_cmd"
       show mtp ;;

@@ -177,7 +177,10 @@ class Sim:
         self.coord = HiSparseCoordinator(self.r2t, self.alloc, top_k, hot, device, None, ratio,
                                          host_pool=host, swap_in_fn=self.ref,
                                          residency=residency, pd_decode=pd,
-                                         draft_tokens=draft_tokens)
+                                         draft_tokens=draft_tokens,
+                                         # Its scheduler runs no streaming hook:
+                                         # parking keeps its prefill-ahead here.
+                                         streaming="0")
         self.draft_tokens = draft_tokens
         self.pd = pd
         from sglang.srt.server_args import ServerArgs

@@ -210,6 +210,10 @@ SHARED_HOST_POOL_ENV = "SGLANG_HISPARSE_SHARED_HOST_POOL"
 # replaying its anchor's miss plan on the prefetch stream (A/B runs;
 # engine/index_share.py).
 INDEXSHARE_PREFETCH_ENV = "SGLANG_HISPARSE_INDEXSHARE_PREFETCH"
+# coordinator: "0" turns streaming off (0.5.13's prefill-first order), "1"
+# (default) or a token cap turns it on (engine/policies/streaming.py; its
+# values are checked by that module's parse).
+STREAMING_ENV = "SGLANG_HISPARSE_STREAMING"
 HOST_ALLOC_MODES = ("cuda_host_alloc", "registered", "registered_thp")
 ENV_SWITCHES = {
     NATIVE_ENV: ("0", "1"),
@@ -231,6 +235,13 @@ def env_problems(environ) -> list[str]:
         value = environ.get(name)
         if value is not None and value not in allowed:
             problems.append(f"{name}={value!r} is not valid; allowed: {', '.join(allowed)}")
+    if environ.get(STREAMING_ENV) is not None:
+        from sglang_hisparse.engine.policies.streaming import parse as parse_streaming
+
+        try:
+            parse_streaming(environ[STREAMING_ENV], STREAMING_ENV)
+        except ValueError as exc:
+            problems.append(str(exc))
     if environ.get(SYNTHETIC_TOPK_ENV):
         from sglang_hisparse.kernels.synthetic_top_k import parse
 

@@ -180,6 +180,7 @@ _COORD = "sglang_hisparse.adapter.model_runner:HiSparseCoordinator"
 _ALLOC = "sglang_hisparse.pools.allocator:HiSparseDualAllocator"
 _RETAIN = "sglang_hisparse.engine.policies.retain_on_retract:RetainOnRetract"
 _DEMAND = "sglang_hisparse.adapter.scheduler:scheduler_prefill_demand"
+_STREAMING_HOOK = "sglang_hisparse.adapter.scheduler:scheduler_get_new_batch_prefill"
 _COUNT = "sglang_hisparse.engine.streams:RealRequestCount"
 _DRAFT_SWA = "sglang_hisparse.adapter.disaggregation_dsv4:register_draft_swa_state"
 
@@ -409,7 +410,9 @@ HOOKS: tuple[Entry, ...] = (
             "(SGLANG_HISPARSE_RESIDENCY=0: stage every request)",
             "parking: a staged request whose hot buffer would take rows the next "
             "prefill needs waits on host holding no GPU row, and joins first come "
-            "first served once rows allow (SGLANG_HISPARSE_PARKING=0: join at once)",
+            "first served once rows allow (SGLANG_HISPARSE_PARKING=0: join at once); "
+            "with streaming on (default) only for the prefill in flight, not for "
+            "prompts not yet started (SGLANG_HISPARSE_STREAMING=0: prefill-ahead)",
             "PD-decode retraction keeps the request's KV in the host pool and resumes "
             "from it (0.5.13 raises: sglang#40729)",
             "an exhausted host pool makes admission wait and retry (0.5.13 crashes)",
@@ -431,6 +434,7 @@ HOOKS: tuple[Entry, ...] = (
             "tests/test_coordinator.py",
             "tests/test_residency.py",
             "tests/test_parking.py",
+            "tests/test_streaming.py",
             "tests/test_disaggregation.py",
             "tests/test_soak.py",
         ),
@@ -481,6 +485,20 @@ HOOKS: tuple[Entry, ...] = (
         impl="sglang_hisparse.adapter.scheduler:scheduler_get_next_batch_to_run",
         upstream="none: 0.5.23 joins every staged request at once (srt/managers/scheduler.py:3923)",
         tests=("tests/test_parking.py",),
+    ),
+    _data_plane_hook(
+        target=f"{_SCHED}.get_new_batch_prefill",
+        kind=Kind.AROUND,
+        why=(
+            "0.5.13 runs a prefill batch whenever one can be formed; with HiSparse "
+            "every queued prompt is admitted, so requests that have streamed wait "
+            "for all of them. Streaming: while requests decode, one capped prefill "
+            "batch per decode step, and no new prompt while a streamed request is "
+            "parked (SGLANG_HISPARSE_STREAMING=0: 0.5.13's order)."
+        ),
+        impl="sglang_hisparse.adapter.scheduler:scheduler_get_new_batch_prefill",
+        upstream="none: 0.5.23 prefers prefill as 0.5.13 does (srt/managers/scheduler.py)",
+        tests=("tests/test_streaming.py",),
     ),
     Entry(
         target=(
@@ -945,10 +963,11 @@ DEPENDS: tuple[Entry, ...] = (
     ),
     _depends(
         f"{_SCHED}._get_new_batch_prefill_raw",
-        "PrefillAdder built with new_token_ratio_tracker.current, the chunked "
-        "request added first, then the waiting queue in policy order",
-        (_DEMAND,),
-        tests=("tests/test_parking.py",),
+        "PrefillAdder built with new_token_ratio_tracker.current and "
+        "self.chunked_prefill_size; the chunked request first, then the waiting "
+        "queue in policy order unless batch_is_full",
+        (_DEMAND, _STREAMING_HOOK),
+        tests=("tests/test_parking.py", "tests/test_streaming.py"),
     ),
     _depends(
         f"{_ADDER}.__init__",
@@ -967,9 +986,17 @@ DEPENDS: tuple[Entry, ...] = (
     _depends(
         f"{_ADDER}.add_one_req",
         "a waiting request costs extend_input_len + min(max_new_tokens - outputs, "
-        "CLIP_MAX_NEW_TOKENS) + page_size and is admitted while that is < rem_total_tokens",
-        (_DEMAND,),
-        tests=("tests/test_parking.py",),
+        "CLIP_MAX_NEW_TOKENS) + page_size, admitted while < rem_total_tokens; cut "
+        "at rem_chunk_tokens",
+        (_DEMAND, _STREAMING_HOOK),
+        tests=("tests/test_parking.py", "tests/test_streaming.py"),
+    ),
+    _depends(
+        f"{_ADDER}.add_chunked_req",
+        "the chunked request's next chunk is at most rem_chunk_tokens (the "
+        "streaming cap)",
+        (_STREAMING_HOOK,),
+        tests=("tests/test_streaming.py",),
     ),
     _depends(
         f"{_ADDER}.rem_total_tokens",

@@ -17,7 +17,9 @@ P = HOT + PS
 
 
 def parking_env(demand, phys=1024, residency=False):
-    env = Env(phys=phys, ratio=4, residency=residency)
+    # Streaming off: these tests hold rows for the waiting prompt
+    # (prefill-ahead); with streaming on it waits instead (test_streaming.py).
+    env = Env(phys=phys, ratio=4, residency=residency, streaming="0")
     env.coord.set_prefill_demand(lambda: demand[0])
     return env
 
@@ -163,7 +165,7 @@ def test_the_batch_grows_to_what_hot_buffers_allow(parking, residency):
     # buffers. Without parking a prompt can only be admitted beside
     # (1024 - 704) // 192 = 1 hot buffer, so at most 2 run; with it the
     # prompts are prefilled first and 1024 // 192 = 5 run at once.
-    env = Env(phys=1024, ratio=8, residency=residency)
+    env = Env(phys=1024, ratio=8, residency=residency, streaming="0")
     most = _serve(env, [600] * 8, steps=6, parking=parking)
     assert most == (5 if parking else 2)
     assert env.drained() and not env.coord.has_ongoing_staging()

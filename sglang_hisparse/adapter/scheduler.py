@@ -1,8 +1,8 @@
 """SGLang's scheduler: the hooks that let our coordinator see its queues.
 
 They translate between SGLang's ``Scheduler`` and the engine; the manifest
-installs them (AROUND on ``Scheduler.abort_request`` and
-``Scheduler.get_next_batch_to_run``).
+installs them (AROUND on ``Scheduler.abort_request``,
+``Scheduler.get_next_batch_to_run`` and ``Scheduler.get_new_batch_prefill``).
 """
 
 from __future__ import annotations
@@ -57,6 +57,41 @@ def scheduler_get_next_batch_to_run(original, self):
     if coord is not None and getattr(coord, "prefill_demand_installed", True) is False:
         coord.set_prefill_demand(lambda: scheduler_prefill_demand(self))
     return original(self)
+
+
+def scheduler_get_new_batch_prefill(original, self):
+    """AROUND ``Scheduler.get_new_batch_prefill`` (0.5.13 ``scheduler.py:2547``),
+    which ``get_next_batch_to_run`` calls after ``collect_ready_reqs``: the
+    streaming policy (``sglang_hisparse.engine.policies.streaming``) decides
+    whether this call may form a prefill batch (None: the running batch
+    decodes instead), whether it may admit waiting prompts and how many
+    prompt tokens the batch may hold. Every input is the same on every TP
+    rank: the running batch, the parked requests (collect agrees across
+    ranks), the chunked request and the policy's own last decision."""
+    coord = getattr(self, "hisparse_coordinator", None)
+    streaming = getattr(coord, "streaming", None)
+    if streaming is None or not streaming.enabled:
+        return original(self)
+    running = self.running_batch
+    decoding = not running.is_empty() and not running.is_prefill_only
+    plan = streaming.plan(decoding, parked=len(coord.parked_requests()))
+    if not plan.run or (not plan.new_prompts and self.chunked_req is None):
+        streaming.formed(None)
+        return None
+    if not plan.new_prompts:
+        # SGLang's own "no more prompts" mark: the chunked request is still
+        # added, the waiting queue is not looked at (0.5.13 resets it for
+        # HiSparse at the next get_next_batch_to_run).
+        running.batch_is_full = True
+    own = self.chunked_prefill_size  # None: chunked prefill is off (nothing to cap)
+    if plan.token_cap is not None and own is not None and own > plan.token_cap:
+        self.chunked_prefill_size = plan.token_cap
+    try:
+        batch = original(self)
+    finally:
+        self.chunked_prefill_size = own
+    streaming.formed(batch)
+    return batch
 
 
 def scheduler_prefill_demand(scheduler):

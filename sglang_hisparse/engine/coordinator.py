@@ -14,7 +14,11 @@ in its own module under :mod:`.policies`:
 * :class:`~.policies.parking.Parking` - a staged request waits on host while
   its hot buffer would take rows a waiting prompt needs;
 * :class:`~.policies.retain_on_retract.RetainOnRetract` - on a PD decode node
-  a retracted request keeps its KV on host and resumes from it.
+  a retracted request keeps its KV on host and resumes from it;
+* :class:`~.policies.streaming.Streaming` - a request that has streamed a
+  token does not wait for other prompts' prefill (the scheduler's prefill
+  batches interleave with decode steps, capped; new prompts wait for parked
+  requests).
 
 Per decode step: ``map_last_loc_to_buffer`` writes the previous token of
 every hot-buffer request through to host, grows short hot buffers and maps
@@ -43,6 +47,7 @@ from sglang_hisparse.config import (
     PARKING_ENV,
     RESIDENCY_ENV,
     SKIP_IO_ENV,
+    STREAMING_ENV,
     SYNTHETIC_TOPK_ENV,
 )
 from sglang_hisparse.engine.exactness import ExactnessCheck
@@ -51,6 +56,7 @@ from sglang_hisparse.engine.policies.parking import Parking
 from sglang_hisparse.engine.prefetch import IndexSharePrefetch
 from sglang_hisparse.engine.policies.residency import Residency
 from sglang_hisparse.engine.policies.retain_on_retract import RetainOnRetract
+from sglang_hisparse.engine.policies import streaming as streaming_policy
 from sglang_hisparse.engine.state import ReqState, RequestTable
 from sglang_hisparse.engine.streams import RealRequestCount, Streams, TrailingReader
 from sglang_hisparse.engine.tables import RequestTables
@@ -115,6 +121,7 @@ class Coordinator:
         swap_in_block_size: Optional[int] = None,
         residency: Optional[bool] = None,
         parking: Optional[bool] = None,
+        streaming: Optional[str] = None,
         pd_decode: bool = False,
         pd_growth_clip: Optional[int] = None,
         exactness_check: Optional[bool] = None,
@@ -225,6 +232,12 @@ class Coordinator:
         self.residency = Residency(self, enabled=bool(residency) and not self.is_dsv4_hisparse)
         self.parking = Parking(self, enabled=bool(parking) and not self.is_dsv4_hisparse)
         self.retain = RetainOnRetract(self, enabled=bool(pd_decode) and not self.is_dsv4_hisparse)
+        # ``streaming``: the switch's value ("0", "1", a token cap); None: the
+        # environment's. A PD decode node prefills nothing.
+        if streaming is None:
+            streaming = os.environ.get(STREAMING_ENV)
+        cap = None if pd_decode else streaming_policy.parse(streaming, STREAMING_ENV)
+        self.streaming = streaming_policy.Streaming(cap)
         self.pd_decode = bool(pd_decode)
         # PD decode admission holds back, in host rows, the tokens every
         # request on the node may still decode (max_new_tokens, clipped as

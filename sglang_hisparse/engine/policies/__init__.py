@@ -1,2 +1,2 @@
 """Decisions over the request state machine, one policy a module:
-residency, parking, retain-on-retract (PD decode)."""
+residency, parking, retain-on-retract (PD decode), streaming."""

@@ -19,6 +19,12 @@ soon as its copy is done. A staged request whose hot buffer finds no rows
 (admission accounting drifted) is parked either way, and joins once rows
 are free. Colocated DSA only (DeepSeek-V4's C4 rows keep the plain staging
 path).
+
+With streaming on (the default, :mod:`.streaming`) no rows are held back for
+a prompt that has not started prefilling: a staged request parks only while
+the prefill in flight needs its rows, and new prompts wait for parked
+requests instead. Parking's prefill-ahead (the whole queue prefilled before
+parked requests join) is what ``SGLANG_HISPARSE_STREAMING=0`` keeps.
 """
 
 from __future__ import annotations
@@ -64,6 +70,10 @@ class Parking:
     def _rows_to_keep_free(self, demand: PrefillDemand, logical: int) -> int:
         """``logical``: the allocator's logical budget (host space) now."""
         rows = demand.in_flight_rows
+        if self.coord.streaming.enabled:
+            # Streaming (policies/streaming.py): a prompt that has not started
+            # waits for the requests that have streamed, not the other way round.
+            return rows
         # A waiting request that host space cannot admit now, or the device
         # could never hold while it prefills, gets no rows held back for it
         # (parked requests would wait for nothing).

@@ -1,0 +1,128 @@
+"""Streaming: a request that has emitted a token keeps streaming while prompts prefill.
+
+Why. 0.5.13 runs a prefill batch whenever one can be formed and decodes
+the running batch only when none can; each chunk of a long prompt is a
+prefill batch of its own. Without HiSparse the device fills after a prompt
+or two and prefill stops by itself. With HiSparse the admission budget is
+host space, so every queued prompt is admitted and the running batch waits
+until all of them have prefilled (16 x 32K prompts on the 61-layer model:
+a request that emitted its first token then waited 2247 x its median
+inter-token gap). Parking made it worse for the requests it parks: they
+have streamed their first token and wait on host until the whole queue is
+prefilled.
+
+What bounds the gap. A request that has streamed is either in the running
+batch or waits outside it (staging, parked). Two rules, each needed:
+
+* Interleave: while the running batch has requests to decode, at most one
+  prefill batch runs between two decode steps, and that batch holds at most
+  ``prefill_tokens`` prompt tokens (SGLang's chunked prefill then cuts a
+  long prompt into more chunks). A running request's gap is then at most
+  one decode step plus one capped prefill batch, whatever the queue holds:
+  a bound in tokens, the same on every TP rank. Capping alone would not do
+  (back-to-back chunks still run while any prompt waits), nor alternating
+  alone (one 8K chunk of the 61-layer model is ~35 decode steps).
+* First token first: while a request that has streamed waits parked, no
+  new prompt starts prefilling (the prompt in flight finishes: it holds its
+  rows). Parking holds no rows back for prompts that have not started, so a
+  parked request joins as soon as the rows its hot buffer needs are free
+  (at the latest when the prompt in flight has been staged), and the next
+  prompt starts only after that. Interleaving alone would leave parked
+  requests waiting for the whole queue, longer than before.
+
+The cost. Prefill no longer runs ahead of the decode batch: a prompt is
+admitted only beside the hot buffers already running, so while prompts
+wait the batch is bounded by ``1 + (rows - prompt) / hot buffer`` (what
+``SGLANG_HISPARSE_PARKING=0`` gives) rather than by hot buffers alone;
+with parking's prefill-ahead, the larger batch came only after every
+request admitted earlier had stalled for the whole queue. Each prompt's
+prefill also takes longer (a decode step after every capped chunk), so
+time to first token grows under load. Total GPU work is the same; what
+moves is when it runs. The option rejected: stopping prefill only when the
+prompt could not join the batch soon (the rows-ahead test) still lets one
+whole prompt's chunks run back to back, ~70 decode steps for a 32K prompt.
+
+Switch: ``SGLANG_HISPARSE_STREAMING`` = ``1`` (default: on, prefill batches
+of at most :data:`DEFAULT_PREFILL_TOKENS` while requests decode), ``0``
+(off: 0.5.13's prefill-first order and parking's prefill-ahead), or a
+positive multiple of 64 (on, with that many prefill tokens per batch while
+requests decode). Colocated serving only: a PD decode node prefills nothing.
+
+The seam is ``Scheduler.get_new_batch_prefill`` (an AROUND hook in
+``adapter/scheduler.py``): :meth:`Streaming.plan` decides from the
+scheduler's rank-identical state whether this call may form a prefill
+batch, may admit new prompts and how many tokens it may hold. Its only
+state is whether the last call formed a prefill batch: a call that returns
+none is followed by a decode step of the running batch (0.5.13
+``get_next_batch_to_run``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+# Prefill tokens per batch while requests decode. The 61-layer
+# DeepSeek-V3.2-geometry model prefills ~6K tokens/s on the H200 and
+# decodes a step in 15-40 ms, so 1024 tokens (~170 ms, more late in a 32K
+# prompt) keep a gap within the 10 x median target; 2048 would be at its
+# edge. A multiple of every page size SGLang serves DSA with.
+DEFAULT_PREFILL_TOKENS = 1024
+_TOKEN_QUANTUM = 64
+
+
+def parse(value: Optional[str], name: str) -> Optional[int]:
+    """The prefill-token cap the switch asks for; None: streaming off.
+    Raises ValueError naming the switch and the allowed values."""
+    if value is None or value == "1":
+        return DEFAULT_PREFILL_TOKENS
+    if value == "0":
+        return None
+    allowed = (f"allowed: 0 (off), 1 (on, {DEFAULT_PREFILL_TOKENS} prefill tokens per batch "
+               f"while requests decode), or a positive multiple of {_TOKEN_QUANTUM} (on, that cap)")
+    try:
+        tokens = int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not valid; {allowed}") from None
+    if tokens <= 0 or tokens % _TOKEN_QUANTUM:
+        raise ValueError(f"{name}={value!r} is not valid; {allowed}")
+    return tokens
+
+
+class PrefillPlan(NamedTuple):
+    """What one ``get_new_batch_prefill`` call may do."""
+
+    run: bool  # form a prefill batch at all (False: the running batch decodes)
+    new_prompts: bool  # admit prompts from the waiting queue (the chunked one always continues)
+    token_cap: Optional[int]  # cap on the batch's prompt tokens; None: SGLang's own chunk size
+
+
+_UNCHANGED = PrefillPlan(True, True, None)
+
+
+class Streaming:
+    def __init__(self, prefill_tokens: Optional[int]):
+        """``prefill_tokens``: the cap (see :func:`parse`); None: off."""
+        self.prefill_tokens = prefill_tokens
+        self.enabled = prefill_tokens is not None
+        self._prefill_ran = False  # the last call formed a prefill batch
+        # Counters (tests, the decode log): decode turns forced, calls that
+        # kept new prompts out for parked requests.
+        self.decode_turns = 0
+        self.prompts_held = 0
+
+    def plan(self, decoding: bool, parked: int) -> PrefillPlan:
+        """``decoding``: the running batch has requests to decode;
+        ``parked``: requests that streamed and wait outside the batch on host."""
+        if not self.enabled:
+            return _UNCHANGED
+        if decoding and self._prefill_ran:
+            self._prefill_ran = False
+            self.decode_turns += 1
+            return PrefillPlan(False, False, None)
+        if parked:
+            self.prompts_held += 1
+        return PrefillPlan(True, not parked, self.prefill_tokens if decoding else None)
+
+    def formed(self, batch) -> None:
+        """What the call the plan was for returned (None: no prefill batch)."""
+        self._prefill_ran = batch is not None
