@@ -13,10 +13,12 @@ Configurations:
           handling and the decode-crash fix (SGLANG_HISPARSE_NATIVE=1)
   ours    this package's data plane
   nopark  ours with SGLANG_HISPARSE_PARKING=0 (staged requests join at once)
-  nostream ours with SGLANG_HISPARSE_STREAMING=0 (0.5.13's prefill-first order:
-          every queued prompt prefills before the running batch decodes, and
-          parking prefills the queue ahead); "ours" vs "nostream" is what the
-          streaming policy costs in tok/s and buys in inter-token gaps
+  stream  ours with SGLANG_HISPARSE_STREAMING=1 (the streaming policy: one
+          capped prefill batch between two decode steps, parked requests
+          before new prompts); "stream" vs "ours" is what it costs in tok/s
+          and buys in inter-token gaps
+  nostream ours with SGLANG_HISPARSE_STREAMING=0 set explicitly (0.5.13's
+          prefill-first order, today's default)
   noio    ours with SGLANG_HISPARSE_SKIP_IO=1 (swap-in copies skipped: outputs
           invalid, timing valid; "ours / noio" is what host IO costs)
   sync    ours with SGLANG_HISPARSE_INDEXSHARE_PREFETCH=0: on a model with
@@ -150,17 +152,17 @@ WORKLOADS = {
     "mixed": ([[32000] * 8 + [4000] * 16], 512, _LONG),
 }
 
-CONFIGS = ("base", "native", "ours", "nopark", "nostream", "noio", "sync", "stock", "ref")
+CONFIGS = ("base", "native", "ours", "nopark", "stream", "nostream", "noio", "sync", "stock", "ref")
 # Configurations whose server runs this work tree's data plane, and what
 # --check must find in them: noio skips the host copies, a planted fault.
-CHECK_EXPECT = {"ours": "exact", "nopark": "exact", "nostream": "exact", "sync": "exact",
+CHECK_EXPECT = {"ours": "exact", "nopark": "exact", "stream": "exact", "nostream": "exact", "sync": "exact",
                 "noio": "mismatch"}
 CHECK_ENV = "SGLANG_HISPARSE_CHECK"
 EXPERIMENTAL_MTP_ENV = "SGLANG_HISPARSE_EXPERIMENTAL_MTP"
 SYNTHETIC_ENV = "SGLANG_HISPARSE_SYNTHETIC_TOPK"
 # Where --synthetic reaches: this work tree's data plane, and SGLang's own
 # through the plugin's native-mode hook (adapter/native.py).
-SYNTHETIC_CONFIGS = ("ours", "nopark", "nostream", "noio", "sync", "native")
+SYNTHETIC_CONFIGS = ("ours", "nopark", "stream", "nostream", "noio", "sync", "native")
 
 
 STEP_TIMER_DIR = Path(__file__).resolve().parent / "steptimer"
@@ -245,6 +247,8 @@ def server_cmd(model: str, port: int, config: str, extra: list[str],
         env["SGLANG_HISPARSE_PARKING"] = "0"
     if config == "nostream":
         env["SGLANG_HISPARSE_STREAMING"] = "0"
+    if config == "stream":
+        env["SGLANG_HISPARSE_STREAMING"] = "1"
     if config == "sync":
         env["SGLANG_HISPARSE_INDEXSHARE_PREFETCH"] = "0"
     if config == "stock":
@@ -912,7 +916,7 @@ def merge(args) -> int:
             for w, runs in by_w.items():
                 results.setdefault(cfg, {}).setdefault(w, []).extend(runs)
         launches += [dict(x, source=str(path)) for x in data.get("launches", [])]
-    order = [c for c in ("base", "native", "ref", "ours", "sync", "nopark", "nostream", "noio",
+    order = [c for c in ("base", "native", "ref", "ours", "sync", "nopark", "stream", "nostream", "noio",
                          "stock")
              if c in results]
     configs = order + [c for c in results if c not in order]

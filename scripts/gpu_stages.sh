@@ -78,10 +78,10 @@
 #             GF_BOUND_CONFIGS (base,ours,noio), synthetic as above, one
 #             launch each. ~2-3 min per launch.
 #   stream    the streaming policy on and off, side by side (tiny model):
-#             configs GF_STREAM_CONFIGS (ours,nostream,base), workload
+#             configs GF_STREAM_CONFIGS (stream,ours,base), workload
 #             GF_STREAM_WORKLOAD (decodebound: 16 x 32K x 1024 out at
 #             --max-total-tokens 72000), one launch each; the gap table's
-#             "worst gap / own median" is the target (<= 10 for ours).
+#             "worst gap / own median" is the target (<= 10 for stream).
 #             ~1.5-2 min per launch warm.
 #   kbench    the swap-in kernel alone (waits for bg-tests): bench_kernels.py
 #             --quick (ours vs the gather floor and 0.5.13's, batch 1/32, miss
@@ -402,7 +402,7 @@ bound_cmd() {
 }
 
 stream_cmd() {
-  "${E2E[@]}" --configs "${GF_STREAM_CONFIGS:-ours,nostream,base}" \
+  "${E2E[@]}" --configs "${GF_STREAM_CONFIGS:-stream,ours,base}" \
     --workloads "${GF_STREAM_WORKLOAD:-decodebound}" --warmup 0 "${CPU_ARGS[@]}" \
     --out "$RUN/stream.json" --logs "$RUN/stream"
 }

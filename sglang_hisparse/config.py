@@ -210,8 +210,8 @@ SHARED_HOST_POOL_ENV = "SGLANG_HISPARSE_SHARED_HOST_POOL"
 # replaying its anchor's miss plan on the prefetch stream (A/B runs;
 # engine/index_share.py).
 INDEXSHARE_PREFETCH_ENV = "SGLANG_HISPARSE_INDEXSHARE_PREFETCH"
-# coordinator: "0" turns streaming off (0.5.13's prefill-first order), "1"
-# (default) or a token cap turns it on (engine/policies/streaming.py; its
+# coordinator: "0" (default) keeps streaming off (0.5.13's prefill-first
+# order), "1" or a token cap turns it on (engine/policies/streaming.py; its
 # values are checked by that module's parse).
 STREAMING_ENV = "SGLANG_HISPARSE_STREAMING"
 HOST_ALLOC_MODES = ("cuda_host_alloc", "registered", "registered_thp")

@@ -611,11 +611,13 @@ def test_log_stats_reads_the_prefetch_state(tmp_path):
         assert e2e.log_stats(log, 0)["indexshare_prefetch"] is want
 
 
-def test_nostream_config_turns_streaming_off(monkeypatch):
+def test_stream_configs_set_the_streaming_switch(monkeypatch):
     monkeypatch.delenv("SGLANG_HISPARSE_STREAMING", raising=False)
     e2e = _load("e2e_gpu", SCRIPTS / "e2e_gpu.py")
-    args, env = e2e.server_cmd("/m", 1, "nostream", [])
-    assert env["SGLANG_HISPARSE_STREAMING"] == "0" and "--enable-hisparse" in args
+    args, env = e2e.server_cmd("/m", 1, "stream", [])
+    assert env["SGLANG_HISPARSE_STREAMING"] == "1" and "--enable-hisparse" in args
+    _, env = e2e.server_cmd("/m", 1, "nostream", [])
+    assert env["SGLANG_HISPARSE_STREAMING"] == "0"
     _, env = e2e.server_cmd("/m", 1, "ours", [])
-    assert "SGLANG_HISPARSE_STREAMING" not in env  # ours: the default, on
-    assert e2e.CHECK_EXPECT["nostream"] == "exact"
+    assert "SGLANG_HISPARSE_STREAMING" not in env  # ours: the default, off
+    assert e2e.CHECK_EXPECT["stream"] == e2e.CHECK_EXPECT["nostream"] == "exact"

@@ -21,11 +21,11 @@ from sglang_hisparse.engine.policies.streaming import DEFAULT_PREFILL_TOKENS, pa
 
 
 def test_the_switch_values():
-    assert parse(None, STREAMING_ENV) == parse("1", STREAMING_ENV) == DEFAULT_PREFILL_TOKENS
-    assert parse("0", STREAMING_ENV) is None
+    assert parse("1", STREAMING_ENV) == DEFAULT_PREFILL_TOKENS
+    assert parse(None, STREAMING_ENV) is parse("0", STREAMING_ENV) is None  # off by default
     assert parse("512", STREAMING_ENV) == 512
     for bad in ("on", "-64", "100", "0.5", ""):
-        with pytest.raises(ValueError, match=rf"{STREAMING_ENV}=.*allowed: 0 \(off\), 1"):
+        with pytest.raises(ValueError, match=rf"{STREAMING_ENV}=.*allowed: 0 \(off, the default\), 1"):
             parse(bad, STREAMING_ENV)
     # checked with the server arguments, before any weights load
     assert env_problems({STREAMING_ENV: "100"}) and not env_problems({STREAMING_ENV: "2048"})

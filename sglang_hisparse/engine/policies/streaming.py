@@ -42,11 +42,13 @@ moves is when it runs. The option rejected: stopping prefill only when the
 prompt could not join the batch soon (the rows-ahead test) still lets one
 whole prompt's chunks run back to back, ~70 decode steps for a 32K prompt.
 
-Switch: ``SGLANG_HISPARSE_STREAMING`` = ``1`` (default: on, prefill batches
-of at most :data:`DEFAULT_PREFILL_TOKENS` while requests decode), ``0``
-(off: 0.5.13's prefill-first order and parking's prefill-ahead), or a
+Switch: ``SGLANG_HISPARSE_STREAMING`` = ``0`` (default, off: 0.5.13's
+prefill-first order and parking's prefill-ahead), ``1`` (on, prefill
+batches of at most :data:`DEFAULT_PREFILL_TOKENS` while requests decode), or a
 positive multiple of 64 (on, with that many prefill tokens per batch while
-requests decode). Colocated serving only: a PD decode node prefills nothing.
+requests decode). Off by default until a GPU run has measured what it costs
+in batch size and throughput beside what it buys in inter-token gaps (the
+CPU timeline: 2 requests running instead of 5 while prompts wait). Colocated serving only: a PD decode node prefills nothing.
 
 The seam is ``Scheduler.get_new_batch_prefill`` (an AROUND hook in
 ``adapter/scheduler.py``): :meth:`Streaming.plan` decides from the
@@ -71,13 +73,13 @@ _TOKEN_QUANTUM = 64
 
 
 def parse(value: Optional[str], name: str) -> Optional[int]:
-    """The prefill-token cap the switch asks for; None: streaming off.
-    Raises ValueError naming the switch and the allowed values."""
-    if value is None or value == "1":
-        return DEFAULT_PREFILL_TOKENS
-    if value == "0":
+    """The prefill-token cap the switch asks for; None: streaming off (the
+    default). Raises ValueError naming the switch and the allowed values."""
+    if value is None or value == "0":
         return None
-    allowed = (f"allowed: 0 (off), 1 (on, {DEFAULT_PREFILL_TOKENS} prefill tokens per batch "
+    if value == "1":
+        return DEFAULT_PREFILL_TOKENS
+    allowed = (f"allowed: 0 (off, the default), 1 (on, {DEFAULT_PREFILL_TOKENS} prefill tokens per batch "
                f"while requests decode), or a positive multiple of {_TOKEN_QUANTUM} (on, that cap)")
     try:
         tokens = int(value)
