@@ -203,6 +203,11 @@ def test_without_the_wait_the_read_is_stale():
     """The negative control of the race test: the same reads without the
     shared layers' waits see rows the slow replay has not written yet."""
     seed = _seed()
+    # Load the kernels first, on throwaway layers of the same shapes: loading a
+    # CUDA module synchronizes the device, and a first call made behind the
+    # slow replay would wait for it (on the H200 the control then saw no race).
+    Layers(_race_case(seed), shared=2, seed=seed + 1).gpu_step()
+    torch.cuda.synchronize()
     layers = Layers(_race_case(seed), shared=2, seed=seed + 1)
     layers.prefetch.link_delay_cycles = 200_000_000  # ~100 ms before each replay
     reads = layers.gpu_step(wait=False)
