@@ -313,6 +313,10 @@ def test_prefetch_equals_synchronous_swap_in(pattern, residency, monkeypatch):
     stats = fetched.coord.get_hisparse_stats()
     assert stats["exact_checked"] > 0 and stats["exact_mismatches"] == 0
     assert stats["misses"] > 0  # the PD request is never resident: its misses were replayed
+    # A shared layer's replayed misses count as a synchronous swap-in's would.
+    want = sync.coord.get_hisparse_stats()
+    for key in ("hits", "misses", "host_bytes_read"):
+        assert stats[key] == want[key], (key, stats[key], want[key])
     shared_layers = sum(roles.is_shared)
     assert fetched.coord.prefetch.replays == 10 * shared_layers
     for w, rs in zip(worlds, reqs):
