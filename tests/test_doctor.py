@@ -1,6 +1,7 @@
 """``python -m sglang_hisparse doctor`` on the pinned install and on a newer one,
 and ``doctor --kernels``."""
 
+import inspect
 import subprocess
 import sys
 import types
@@ -13,13 +14,13 @@ from sglang_hisparse.pinned_source import sglang_version
 from sglang_hisparse.manifest import HOOKS, entries_of
 
 
-def _doctor(*args):
+def _doctor(*args, timeout=300):
     return subprocess.run(
         [sys.executable, "-m", "sglang_hisparse", "doctor", *args],
         capture_output=True,
         text=True,
         cwd=str(REPO),
-        timeout=300,
+        timeout=timeout,
     )
 
 
@@ -102,6 +103,8 @@ def recorded_build(monkeypatch):
         calls.append(kwargs)
         return ["swap_in(recorded)"]
 
+    # doctor asks by the real function's switches
+    compile_variants.__signature__ = inspect.signature(kernels.compile_variants)
     monkeypatch.setattr(kernels, "compile_variants", compile_variants)
     monkeypatch.setattr(kernels, "nvcc_available", lambda: True)
     return calls
@@ -165,8 +168,9 @@ def test_kernel_options_need_kernels():
 
 @pytest.mark.jit
 def test_doctor_kernels_warms_the_variant_a_server_builds():
+    # three nvcc builds one after another (the plain swap-in, the anchor's, the replay)
     proc = _doctor("--kernels", "--kernel-config", '{"top_k": 2048, "device_buffer_size": 4096}',
-                   "--kv-cache-dtype", "fp8_e4m3")
+                   "--kv-cache-dtype", "fp8_e4m3", timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     compiled = [line for line in proc.stdout.splitlines() if line.strip().startswith("compiled ")]
     # The plain swap-in, the IndexShare anchor's (it records the miss plan)
