@@ -1076,6 +1076,15 @@ DEPENDS: tuple[Entry, ...] = (
         tests=("tests/test_index_share.py",),
     ),
     _depends(
+        "sglang.srt.models.deepseek_common.attention_forward_methods.forward_mla."
+        "DeepseekMLAForwardMixin.should_run_indexer",
+        "0.5.15: forward_absorb_prepare's gate, a skip_topk layer never runs its indexer "
+        "(NextN without a carried top-k excepted)",
+        (_PREFETCH,),
+        tests=("tests/test_index_share.py",),
+        since="0.5.15.post1",
+    ),
+    _depends(
         "sglang.srt.models.deepseek_v2.DeepseekV2Model.forward",
         "layers run in layer-id order, each handed the previous layer's top-k "
         "(prev_topk_indices=topk_indices): an anchor's shared layers run before the next anchor",
