@@ -51,6 +51,8 @@ Workloads:
   decodebound 16 x 32000-token prompts x 1024 output tokens sent at once,
               --max-total-tokens 72000 (base holds two of them, ours a hot
               buffer each): decode dominates
+  decode16k   16 x 16000-token prompts x 512 output tokens, the same flags:
+              all 16 decode at once after half decodebound's prefill
   mixed       8 x 32000 and 16 x 4000 tokens x 512 output tokens, same flags
   deep        4 concurrent 12000-token prompts x 64 output tokens,
               --max-total-tokens 60000, CUDA graphs up to batch 4: sized for
@@ -148,6 +150,10 @@ WORKLOADS = {
     # requests in base; ours holds a hot buffer (4160 rows) per request.
     # Outputs long enough that decode dominates the wall time.
     "decodebound": ([[32000] * 16], 1024, _LONG),
+    # The same server flags with half the prompt: 16 hot buffers decode at
+    # once after half decodebound's prefill (IndexShare's prefetch vs sync
+    # vs skip-IO on the V3.2 geometry, where the decode step is GPU-bound).
+    "decode16k": ([[16000] * 16], 512, _LONG),
     # The same HBM, long and short requests together.
     "mixed": ([[32000] * 8 + [4000] * 16], 512, _LONG),
 }
@@ -866,7 +872,7 @@ def main() -> int:
     invalid = ("noio",) + (SYNTHETIC_CONFIGS if args.synthetic else ())
     summary = summarize(results, configs, workloads, args.margin, args.tol, invalid)
     decode = summarize_decode(results, configs, workloads)
-    indexshare = summarize_indexshare(summary)
+    indexshare = summarize_indexshare(summary, decode)
     if args.step_timer:
         print_step_timer(results, configs, workloads)
     checks = summarize_checks(launches)
@@ -926,7 +932,7 @@ def merge(args) -> int:
             results[c].setdefault(w, [])
     summary = summarize(results, configs, workloads, args.margin, args.tol)
     decode = summarize_decode(results, configs, workloads)
-    indexshare = summarize_indexshare(summary)
+    indexshare = summarize_indexshare(summary, decode)
     checks = summarize_checks(launches)
     Path(args.out).write_text(json.dumps({"summary": summary, "decode": decode, "runs": results,
                                           "indexshare": indexshare, "launches": launches,
@@ -996,48 +1002,80 @@ def summarize_decode(results, configs, workloads) -> list[dict]:
 
 # Issue #20's targets: the prefetch at >= 85% of skip-IO throughput, and a
 # TPOT below synchronous by >= 1/3 of the synchronous - skip-IO gap.
-INDEXSHARE_TARGETS = {"tok_s_vs_noio": 0.85, "tpot_gap_closed": 1 / 3}
+INDEXSHARE_TARGETS = {"tok_s_vs_noio": 0.85, "tpot_gap_closed": 1 / 3,
+                      "decode_only_vs_noio": 0.85, "step_gap_closed": 1 / 3}
 
 
-def indexshare_ratios(ours: dict, sync: dict, noio: dict) -> dict:
-    """ours (the prefetch) against sync and noio, from summary rows."""
+def _rate_ratios(ours: dict, sync: dict, noio: dict, rate: str, prefix: str) -> dict:
+    """ours' and sync's ``rate`` over noio's."""
     out = {}
-    if ours.get("output_tok_s") and noio.get("output_tok_s"):
-        out["tok_s_vs_noio"] = ours["output_tok_s"] / noio["output_tok_s"]
-    if sync.get("output_tok_s") and noio.get("output_tok_s"):
-        out["sync_tok_s_vs_noio"] = sync["output_tok_s"] / noio["output_tok_s"]
-    t_o, t_s, t_n = ours.get("tpot_ms"), sync.get("tpot_ms"), noio.get("tpot_ms")
-    if t_o and t_s and t_n:
-        out.update(tpot_ms=t_o, sync_tpot_ms=t_s, noio_tpot_ms=t_n)
-        if t_s > t_n:
-            out["tpot_gap_closed"] = (t_s - t_o) / (t_s - t_n)
+    for name, row in ((f"{prefix}vs_noio", ours), (f"sync_{prefix}vs_noio", sync)):
+        if row.get(rate) and noio.get(rate):
+            out[name] = row[rate] / noio[rate]
+    return out
+
+
+def _gap_closed(ours: dict, sync: dict, noio: dict, time: str, prefix: str) -> dict:
+    """The three ``time`` values, and the share of the sync - noio gap in it
+    that ours closes."""
+    t_o, t_s, t_n = ours.get(time), sync.get(time), noio.get(time)
+    if not (t_o and t_s and t_n):
+        return {}
+    out = {f"{prefix}ms": t_o, f"sync_{prefix}ms": t_s, f"noio_{prefix}ms": t_n}
+    if t_s > t_n:
+        out[f"{prefix}gap_closed"] = (t_s - t_o) / (t_s - t_n)
+    return out
+
+
+def indexshare_ratios(ours: dict, sync: dict, noio: dict, decode: tuple = ()) -> dict:
+    """ours (the prefetch) against sync and noio, from summary rows: end to
+    end (out tok/s, TPOT) and, given the three decode rows, in the decode
+    phase alone (decode-only tok/s, the server's decode step), where prefill
+    does not dilute the host reads."""
+    out = {**_rate_ratios(ours, sync, noio, "output_tok_s", "tok_s_"),
+           **_gap_closed(ours, sync, noio, "tpot_ms", "tpot_")}
+    if decode:
+        out.update(_rate_ratios(*decode, "decode_only_tok_s", "decode_only_"))
+        out.update(_gap_closed(ours, sync, noio, "decode_step_ms", "step_"))
     for key, target in INDEXSHARE_TARGETS.items():
         if key in out:
             out[f"{key}_target_met"] = out[key] >= target
     return out
 
 
-def summarize_indexshare(summary: list[dict]) -> list[dict]:
-    """Per workload with ours, sync and noio: the IndexShare prefetch's ratios."""
+def summarize_indexshare(summary: list[dict], decode: list[dict] = ()) -> list[dict]:
+    """Per workload with ours, sync and noio: the IndexShare prefetch's ratios
+    (a second line from the decode table when given)."""
     by = {(r["workload"], r["config"]): r for r in summary}
+    by_decode = {(r["workload"], r["config"]): r for r in decode}
     rows = []
+    f = lambda v, spec=".2f": format(v, spec) if v is not None else "-"  # noqa: E731
+    met = lambda row, key: "met" if row.get(f"{key}_target_met") else "NOT met"  # noqa: E731
     for w in sorted({r["workload"] for r in summary}):
         if not all((w, c) in by for c in ("ours", "sync", "noio")):
             continue
+        three = tuple(by_decode[(w, c)] for c in ("ours", "sync", "noio")
+                      if (w, c) in by_decode)
         row = {"workload": w, **indexshare_ratios(by[(w, "ours")], by[(w, "sync")],
-                                                  by[(w, "noio")])}
+                                                  by[(w, "noio")], three if len(three) == 3 else ())}
         rows.append(row)
         if len(rows) == 1:
             print("\nIndexShare (ours = prefetch, sync = synchronous, noio = skip-IO): "
                   "ours/noio tok/s (target >= 0.85), sync/noio, TPOT ours/sync/noio ms, "
-                  "share of the sync-noio TPOT gap closed (target >= 0.33)")
-        f = lambda v, spec=".2f": format(v, spec) if v is not None else "-"  # noqa: E731
+                  "share of the sync-noio TPOT gap closed (target >= 0.33); "
+                  "indexshare-decode: the same from the decode-only rate and the server's "
+                  "decode step (no prefill in them)")
         print(f"indexshare {w:<11} {f(row.get('tok_s_vs_noio'))} "
-              f"({'met' if row.get('tok_s_vs_noio_target_met') else 'NOT met'})   "
+              f"({met(row, 'tok_s_vs_noio')})   "
               f"{f(row.get('sync_tok_s_vs_noio'))}   {f(row.get('tpot_ms'))} / "
               f"{f(row.get('sync_tpot_ms'))} / {f(row.get('noio_tpot_ms'))}   "
-              f"{f(row.get('tpot_gap_closed'))} "
-              f"({'met' if row.get('tpot_gap_closed_target_met') else 'NOT met'})", flush=True)
+              f"{f(row.get('tpot_gap_closed'))} ({met(row, 'tpot_gap_closed')})", flush=True)
+        if "decode_only_vs_noio" in row or "step_gap_closed" in row:
+            print(f"indexshare-decode {w:<11} {f(row.get('decode_only_vs_noio'))} "
+                  f"({met(row, 'decode_only_vs_noio')})   "
+                  f"{f(row.get('sync_decode_only_vs_noio'))}   {f(row.get('step_ms'))} / "
+                  f"{f(row.get('sync_step_ms'))} / {f(row.get('noio_step_ms'))}   "
+                  f"{f(row.get('step_gap_closed'))} ({met(row, 'step_gap_closed')})", flush=True)
     return rows
 
 

@@ -121,6 +121,14 @@
 #             For timing run it again with GF_INDEXSHARE_CHECK=0
 #             GF_INDEXSHARE_TESTS=0 (the check and the nvcc builds cost
 #             time). ~6-7 min cold with the check and 4 configs.
+#             Where host IO is a real share of the step (the kit model's
+#             step is scheduler Python): GF_INDEXSHARE_LAYERS=N serves
+#             scripts/model_config.py --geometry v32 with N layers
+#             (GF_INDEX_PATTERN=glm52: GLM-5.2's 21 anchors per 78 layers;
+#             workload decode16k, 16 hot buffers decoding at once),
+#             GF_INDEXSHARE_SYNTHETIC=calibrated the calibrated top-k
+#             (default: the random weights' own). The IndexShare line then
+#             has an indexshare-decode row (decode-only rate, server step).
 #   jit       save_jit_cache: the kernel caches as jitcache.tar.xz (split in
 #             15 MiB parts when larger; not returned above ~45 MiB). Run
 #             last; ~0.5-1 min. Then, here:
@@ -383,10 +391,15 @@ mtp_cmd() {
 indexshare_cmd() {
   local check=(--check --warmup 0)
   [ "${GF_INDEXSHARE_CHECK:-1}" = 0 ] && check=()
+  # GF_INDEXSHARE_LAYERS=N: the V3.2 geometry with N layers instead of the
+  # kit model, sized as the 32K workloads are (16 hot buffers at 72000 rows).
+  local model=() syn=${GF_INDEXSHARE_SYNTHETIC:-}
+  [ -n "${GF_INDEXSHARE_LAYERS:-}" ] && model=(--geometry v32 --layers "$GF_INDEXSHARE_LAYERS"
+    --server-args "--mem-fraction-static 0.45 --cuda-graph-max-bs 16")
   "${E2E[@]}" --configs "${GF_INDEXSHARE_CONFIGS:-base,ours,sync,noio}" \
     --workloads "${GF_INDEXSHARE_WORKLOADS:-capacity}" --index-pattern "${GF_INDEX_PATTERN:-FSSS}" \
-    --repeats "${GF_INDEXSHARE_REPEATS:-1}" "${check[@]}" "${CPU_ARGS[@]}" \
-    --out "$RUN/indexshare.json" --logs "$RUN/indexshare"
+    --repeats "${GF_INDEXSHARE_REPEATS:-1}" "${check[@]}" "${CPU_ARGS[@]}" "${model[@]}" \
+    ${syn:+--synthetic "$syn"} --out "$RUN/indexshare.json" --logs "$RUN/indexshare"
 }
 
 kbench_cmd() {

@@ -18,7 +18,9 @@ not) and which transports it can use (:mod:`sglang_hisparse.transfer_engine`).
 
 ``--kernels`` compiles the swap-in kernel variants a server with that
 ``--kernel-config`` (the ``--hisparse-config`` keys) and ``--kv-cache-dtype``
-would build at its first decode step, so a node can warm its JIT cache.
+would build at its first decode step, so a node can warm its JIT cache
+(for DSA rows with the IndexShare prefetch's plan-recording swap-in and
+copy-only replay, which a model with shared indexer layers builds).
 """
 
 from __future__ import annotations
@@ -204,14 +206,20 @@ def kernel_variant_request(config_json: str | None, kv_cache_dtype: str, layout:
     )
 
 
-def _serving_only(compile_variants) -> dict:
-    # Serving builds the plain swap-in only: no plan recording, skip-IO or
-    # timing probe, no copy-only replay kernel (benchmarks and tests build
-    # those). Say so explicitly for every such switch compile_variants has,
-    # whatever its defaults are.
+def _serving_variants(compile_variants, layout: str) -> dict:
+    # Serving builds the plain swap-in, and for DSA rows what an IndexShare
+    # model (index_topk_pattern / index_topk_freq) adds: the anchor's
+    # swap-in that records its miss plan and the copy-only replay of that
+    # plan on each shared layer (engine/prefetch.py). No skip-IO, timing
+    # probe or exactness kernel (benchmarks, tests and SGLANG_HISPARSE_CHECK
+    # build those). Say so explicitly for every such switch compile_variants
+    # has, whatever its defaults are.
     params = inspect.signature(compile_variants).parameters
-    axes = {name: (False,) for name in ("record_plan", "skip_io", "probe") if name in params}
-    flags = {name: False for name in ("copy_planned",) if name in params}
+    index_share = layout == "rows"  # DeepSeek-V4's C4 layers share no indexer
+    axes = {name: (False,) for name in ("skip_io", "probe") if name in params}
+    if "record_plan" in params:
+        axes["record_plan"] = (False, True) if index_share else (False,)
+    flags = {name: index_share for name in ("copy_planned",) if name in params}
     return {**axes, **flags}
 
 
@@ -235,7 +243,8 @@ def run_kernel_warmup(config_json: str | None, kv_cache_dtype: str = "bfloat16",
               "no kernel was compiled", file=err)
         return 1
     try:
-        built = kernels.compile_variants(**request, **_serving_only(kernels.compile_variants))
+        built = kernels.compile_variants(**request, **_serving_variants(kernels.compile_variants,
+                                                                          layout))
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         print(f"doctor --kernels: build failed: {type(exc).__name__}: {first}", file=err)

@@ -183,6 +183,10 @@ _DEMAND = "sglang_hisparse.adapter.scheduler:scheduler_prefill_demand"
 _STREAMING_HOOK = "sglang_hisparse.adapter.scheduler:scheduler_get_new_batch_prefill"
 _COUNT = "sglang_hisparse.engine.streams:RealRequestCount"
 _DRAFT_SWA = "sglang_hisparse.adapter.disaggregation_dsv4:register_draft_swa_state"
+_ROLES = "sglang_hisparse.engine.index_share:roles_from_config"
+_ROLE_RULES_0_5_13 = "sglang_hisparse.adapter.releases.sglang_0_5_13:index_share_rules"
+_ROLE_RULES_0_5_15 = "sglang_hisparse.adapter.releases.sglang_0_5_15:index_share_rules"
+_PREFETCH = "sglang_hisparse.engine.prefetch:IndexSharePrefetch"
 
 def _data_plane_hook(**fields) -> Entry:
     """Most hooks: our data plane's, installed in the scheduler processes and
@@ -1120,6 +1124,49 @@ DEPENDS: tuple[Entry, ...] = (
         "the decode page table is swap_in_selected_pages(req_pool_indices, seq_lens, "
         "topk_indices padded to the q rows, layer_id)",
         (f"{_COORD}.swap_in_selected_pages",),
+    ),
+    # --- IndexShare (engine/index_share.py, engine/prefetch.py): which
+    # layers run their indexer, and that a shared layer's swap-in gets the
+    # previous anchor's top-k, layer after layer.
+    _depends(
+        "sglang.srt.models.deepseek_v2.DeepseekV2AttentionMLA.__init__",
+        "skip_topk per layer: index_topk_pattern[layer_id] == 'S', else index_topk_freq / "
+        "index_skip_topk_offset (0.5.13 inline; 0.5.15.post1 through dsa_layer_skips_topk); "
+        "NextN layers always share",
+        (_ROLES, _ROLE_RULES_0_5_13, _ROLE_RULES_0_5_15),
+        tests=("tests/test_index_share.py",),
+    ),
+    _depends(
+        "sglang.srt.configs.model_config.dsa_layer_skips_topk",
+        "0.5.15: the skip_topk formula, a pattern shorter than the model leaves the layers "
+        "past it anchors, index_topk_freq None is 1",
+        (_ROLES, _ROLE_RULES_0_5_15),
+        tests=("tests/test_index_share.py",),
+        since="0.5.15.post1",
+    ),
+    _depends(
+        "sglang.srt.models.deepseek_common.attention_forward_methods.forward_mla."
+        "DeepseekMLAForwardMixin.forward_absorb_prepare",
+        "a skip_topk layer runs no indexer and attends over prev_topk_indices (the previous "
+        "layer's top-k), through the same backend call and so the same swap-in",
+        (_PREFETCH, f"{_COORD}.swap_in_selected_pages"),
+        tests=("tests/test_index_share.py",),
+    ),
+    _depends(
+        "sglang.srt.models.deepseek_common.attention_forward_methods.forward_mla."
+        "DeepseekMLAForwardMixin.should_run_indexer",
+        "0.5.15: forward_absorb_prepare's gate, a skip_topk layer never runs its indexer "
+        "(NextN without a carried top-k excepted)",
+        (_PREFETCH,),
+        tests=("tests/test_index_share.py",),
+        since="0.5.15.post1",
+    ),
+    _depends(
+        "sglang.srt.models.deepseek_v2.DeepseekV2Model.forward",
+        "layers run in layer-id order, each handed the previous layer's top-k "
+        "(prev_topk_indices=topk_indices): an anchor's shared layers run before the next anchor",
+        (_PREFETCH,),
+        tests=("tests/test_index_share.py",),
     ),
     _depends(
         "sglang.srt.layers.attention.dsv4.indexer.C4IndexerBackendMixin.forward_c4_indexer",

@@ -1,6 +1,7 @@
 """``python -m sglang_hisparse doctor`` on the pinned install and on a newer one,
 and ``doctor --kernels``."""
 
+import inspect
 import subprocess
 import sys
 import types
@@ -13,13 +14,13 @@ from sglang_hisparse.pinned_source import sglang_version
 from sglang_hisparse.manifest import HOOKS, entries_of
 
 
-def _doctor(*args):
+def _doctor(*args, timeout=300):
     return subprocess.run(
         [sys.executable, "-m", "sglang_hisparse", "doctor", *args],
         capture_output=True,
         text=True,
         cwd=str(REPO),
-        timeout=300,
+        timeout=timeout,
     )
 
 
@@ -102,6 +103,8 @@ def recorded_build(monkeypatch):
         calls.append(kwargs)
         return ["swap_in(recorded)"]
 
+    # doctor asks by the real function's switches
+    compile_variants.__signature__ = inspect.signature(kernels.compile_variants)
     monkeypatch.setattr(kernels, "compile_variants", compile_variants)
     monkeypatch.setattr(kernels, "nvcc_available", lambda: True)
     return calls
@@ -138,12 +141,15 @@ def test_kernel_warmup_asks_for_the_serving_variant_of_the_dtype(recorded_build)
     assert (fp8["top_k"], fp8["hot_buffer_size"], fp8["block_size"]) == (2048, 4096, None)
     assert (bf16["top_k"], bf16["hot_buffer_size"]) == (2048, 4096)
     assert (c4["top_k"], c4["hot_buffer_size"], c4["block_size"]) == (512, 1024, 256)
-    # Only what serving builds: no plan recording, skip-IO, probe, replay kernel.
+    # Only what serving builds: no skip-IO or probe; for DSA rows the
+    # IndexShare prefetch's plan-recording swap-in and copy-only replay too,
+    # none for C4 (DeepSeek-V4 shares no indexer).
     for call in recorded_build:
-        assert call.get("record_plan", (False,)) == (False,)
         assert call.get("skip_io", (False,)) == (False,)
         assert call.get("probe", (False,)) == (False,)
-        assert call.get("copy_planned", False) is False
+    for call in (fp8, bf16):
+        assert tuple(call["record_plan"]) == (False, True) and call["copy_planned"] is True
+    assert c4.get("record_plan", (False,)) == (False,) and c4.get("copy_planned", False) is False
 
 
 def test_kernel_warmup_without_nvcc_is_one_line(monkeypatch):
@@ -162,16 +168,19 @@ def test_kernel_options_need_kernels():
 
 @pytest.mark.jit
 def test_doctor_kernels_warms_the_variant_a_server_builds():
+    # three nvcc builds one after another (the plain swap-in, the anchor's, the replay)
     proc = _doctor("--kernels", "--kernel-config", '{"top_k": 2048, "device_buffer_size": 4096}',
-                   "--kv-cache-dtype", "fp8_e4m3")
+                   "--kv-cache-dtype", "fp8_e4m3", timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     compiled = [line for line in proc.stdout.splitlines() if line.strip().startswith("compiled ")]
-    # The coordinator's swap-in records no plan (no production call passes
-    # miss_src / miss_dst), so serving builds the plain variant only.
-    assert len(compiled) == 1, compiled
-    assert "item_bytes=656" in compiled[0] and "record_plan=False" in compiled[0]
-    assert "skip_io=False" in compiled[0]
-    assert not any("copy_planned(" in line for line in compiled)
+    # The plain swap-in, the IndexShare anchor's (it records the miss plan)
+    # and the copy-only replay of that plan on the shared layers.
+    assert len(compiled) == 3, compiled
+    assert all("item_bytes=656" in line for line in compiled)
+    swap_ins = [line for line in compiled if "record_plan=" in line]
+    assert sorted("record_plan=True" in line for line in swap_ins) == [False, True]
+    assert all("skip_io=False" in line for line in swap_ins)
+    assert sum("copy_planned(" in line for line in compiled) == 1
 
 
 

@@ -599,6 +599,17 @@ def test_sync_config_turns_the_prefetch_off_and_the_ratios(capsys):
                                  {"output_tok_s": 75.0, "tpot_ms": 13.0},
                                  {"output_tok_s": 100.0, "tpot_ms": 10.0})
     assert not slow["tok_s_vs_noio_target_met"] and not slow["tpot_gap_closed_target_met"]
+    # The decode phase alone: decode-only rates and the server's decode step.
+    for row, step in zip(summary, (5.0, 8.0, 4.0)):
+        row["decode_step_ms"] = step
+    decode = [{"workload": "capacity", "config": c, "decode_only_tok_s": r}
+              for c, r in (("ours", 800.0), ("sync", 500.0), ("noio", 1000.0))]
+    (row,) = e2e.summarize_indexshare(summary, decode)
+    assert row["decode_only_vs_noio"] == 0.8 and row["sync_decode_only_vs_noio"] == 0.5
+    assert row["step_gap_closed"] == 0.75 and row["step_gap_closed_target_met"]
+    assert not row["decode_only_vs_noio_target_met"]
+    out = capsys.readouterr().out
+    assert "indexshare-decode capacity    0.80 (NOT met)   0.50   5.00 / 8.00 / 4.00   0.75 (met)" in out
 
 
 def test_log_stats_reads_the_prefetch_state(tmp_path):

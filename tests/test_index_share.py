@@ -111,6 +111,49 @@ def test_bad_index_sharing_names_the_field_before_weights(tmp_path, fields, fiel
     assert field in problem
 
 
+def _model_code_pattern_0_5_15(config, n):
+    """0.5.15.post1 configs/model_config.py:180-200 (dsa_layer_skips_topk), as written there."""
+    out = ""
+    for layer_id in range(n):
+        pattern = getattr(config, "index_topk_pattern", None)
+        if pattern is not None:
+            skip = layer_id < len(pattern) and pattern[layer_id] == "S"
+        else:
+            freq = getattr(config, "index_topk_freq", 1)
+            freq = 1 if freq is None else freq
+            offset = getattr(config, "index_skip_topk_offset", None)
+            skip = (max(layer_id - offset + 1, 0) % freq != 0 if offset is not None
+                    else max(layer_id - 1, 0) % freq != 0)
+        out += "S" if skip else "F"
+    return out
+
+
+@pytest.mark.parametrize("fields", [
+    {"index_topk_pattern": "FSS"},  # shorter than the model: 0.5.15 makes layer 3 an anchor
+    {"index_topk_freq": None},  # 0.5.15 reads it as 1
+    {"index_topk_pattern": "FSFS"},
+    {"index_topk_freq": 2, "index_skip_topk_offset": 1},
+])
+def test_roles_follow_each_release_line(tmp_path, fields):
+    """The per-release rules (adapter/releases): 0.5.15.post1's edges are
+    what its dsa_layer_skips_topk computes; 0.5.13's model code fails on
+    them (IndexError / TypeError), so its rules refuse them by name."""
+    from sglang_hisparse.adapter.releases import module_for
+
+    text = _model_config(tmp_path, **fields).hf_text_config
+    rules_15 = module_for("0.5.15.post1").index_share_rules()
+    assert roles_from_config(text, 4, rules_15).pattern == _model_code_pattern_0_5_15(text, 4)
+    rules_13 = module_for("0.5.13.post1").index_share_rules()
+    edge = "index_topk_pattern" if "index_topk_pattern" in fields and \
+        len(fields["index_topk_pattern"]) < 4 else "index_topk_freq" if \
+        fields.get("index_topk_freq", 1) is None else None
+    if edge is None:
+        assert roles_from_config(text, 4, rules_13) == roles_from_config(text, 4, rules_15)
+    else:
+        with pytest.raises(IndexShareConfigError, match=edge):
+            roles_from_config(text, 4, rules_13)
+
+
 def test_prefetch_off_reasons():
     roles = LayerRoles.from_pattern("FSFS")
     kw = dict(is_deepseek_v4=False, pp_size=1, environ={})
@@ -313,6 +356,10 @@ def test_prefetch_equals_synchronous_swap_in(pattern, residency, monkeypatch):
     stats = fetched.coord.get_hisparse_stats()
     assert stats["exact_checked"] > 0 and stats["exact_mismatches"] == 0
     assert stats["misses"] > 0  # the PD request is never resident: its misses were replayed
+    # A shared layer's replayed misses count as a synchronous swap-in's would.
+    want = sync.coord.get_hisparse_stats()
+    for key in ("hits", "misses", "host_bytes_read"):
+        assert stats[key] == want[key], (key, stats[key], want[key])
     shared_layers = sum(roles.is_shared)
     assert fetched.coord.prefetch.replays == 10 * shared_layers
     for w, rs in zip(worlds, reqs):
@@ -366,3 +413,44 @@ def test_parked_request_joins_in_lockstep(monkeypatch):
     for w, rs in zip(worlds, reqs):
         w.finish(rs[0])
         assert w.drained()
+
+
+def test_verify_rows_with_the_prefetch(monkeypatch):
+    """MTP verify steps (n rows per request, one union swap-in per layer, a
+    shared layer handed the anchor's rows): with the prefetch every layer
+    reads exactly what it selected (the verify tests' tag check and the
+    in-server check), and the outputs, device pools and counters equal the
+    synchronous coordinator's."""
+    import random
+
+    from dataplane_fixtures import speculative_server_args
+    from test_coordinator import Env
+    from test_verify_step import N, verify_step
+
+    roles = LayerRoles.from_pattern("FS")  # the verify tests' pools hold two layers
+    envs, committed, reqs = [], [], []
+    for prefetch in (True, False):
+        with monkeypatch.context() as m:
+            m.setenv(INDEXSHARE_PREFETCH_ENV, "1" if prefetch else "0")
+            env = Env(phys=2048, draft_tokens=N, exactness_check=True, index_roles=roles)
+        assert (env.coord.prefetch is not None) == prefetch
+        reqs.append([env.staged("long", 300), env.staged("short", 40)])
+        env.coord.collect_ready_reqs()
+        envs.append(env)
+        committed.append([300, 40])
+    for step in range(12):
+        accept = [(step + b) % N + 1 for b in range(2)]
+        committed = [verify_step(env, rs, c, random.Random(step), accept)
+                     for env, rs, c in zip(envs, reqs, committed)]
+        for layer in range(len(roles.roles)):
+            assert torch.equal(envs[0].pool.kv_buffer[layer], envs[1].pool.kv_buffer[layer])
+    fetched, sync = (e.coord for e in envs)
+    assert fetched.prefetch.replays == 12 * sum(roles.is_shared)
+    got, want = fetched.get_hisparse_stats(), sync.get_hisparse_stats()
+    assert got["exact_checked"] == want["exact_checked"] > 0
+    assert got["exact_mismatches"] == 0 and got["misses"] == want["misses"] > 0
+    with speculative_server_args():
+        for env, rs in zip(envs, reqs):
+            for r in rs:
+                env.finish(r)
+            assert env.drained()

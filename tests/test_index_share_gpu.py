@@ -182,11 +182,25 @@ def _race_case(seed):
     return case
 
 
+def _race_layers(seed, shared: int, delay_cycles: int) -> Layers:
+    """The race case's layers with a slow link, after one step of the same
+    shapes on throwaway layers. Loading a CUDA module (each kernel's first
+    call, the spin included) synchronizes the device: a first call made
+    behind a slow replay would wait for it and hide the race (on the H200 the
+    control then saw none); the warm-up also leaves the step's allocations in
+    torch's cache."""
+    scratch = Layers(_race_case(seed), shared=shared, seed=seed + 1)
+    scratch.prefetch.link_delay_cycles = 1000
+    scratch.gpu_step()
+    torch.cuda.synchronize()
+    layers = Layers(_race_case(seed), shared=shared, seed=seed + 1)
+    layers.prefetch.link_delay_cycles = delay_cycles
+    return layers
+
+
 def test_shared_layer_never_reads_before_its_copy_landed():
     seed = _seed()
-    case = _race_case(seed)
-    layers = Layers(case, shared=3, seed=seed + 1)
-    layers.prefetch.link_delay_cycles = 20_000_000  # ~10 ms per replay: a slow link
+    layers = _race_layers(seed, 3, 20_000_000)  # ~10 ms per replay: a slow link
     for step in range(3):
         reads = layers.gpu_step()
         layers.reference_step()
@@ -203,8 +217,7 @@ def test_without_the_wait_the_read_is_stale():
     """The negative control of the race test: the same reads without the
     shared layers' waits see rows the slow replay has not written yet."""
     seed = _seed()
-    layers = Layers(_race_case(seed), shared=2, seed=seed + 1)
-    layers.prefetch.link_delay_cycles = 200_000_000  # ~100 ms before each replay
+    layers = _race_layers(seed, 2, 200_000_000)  # ~100 ms before each replay
     reads = layers.gpu_step(wait=False)
     layers.reference_step()
     stale = sum(int((got.cpu() != want).any(1).sum())

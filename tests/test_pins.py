@@ -53,6 +53,9 @@ def test_every_pin_hashes_every_entry_and_the_manifest_reads_them():
     assert {e.target for e in ENTRIES} - {e.target for e in entries_of("0.5.13")} == {
         "sglang.srt.managers.scheduler.Scheduler.release_host_resources",
         "sglang.srt.model_executor.model_runner.ModelRunner._prepare_eager_forward_batch",
+        "sglang.srt.configs.model_config.dsa_layer_skips_topk",
+        "sglang.srt.models.deepseek_common.attention_forward_methods.forward_mla."
+        "DeepseekMLAForwardMixin.should_run_indexer",
     }
     # The installed release is what its pin says, entry by entry (at the
     # place the pin records for a moved one).

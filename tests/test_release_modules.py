@@ -10,7 +10,7 @@ from sglang_hisparse.pinned_source import sglang_version
 
 NAMES = ("prefill_len", "set_prefill_range", "sparse_config", "native_max_token_pool_size",
          "dsa_backend_defaults", "speculative_v2_worker", "speculative_seams_wired",
-         "dsv4_kv_mode", "decode_host_transfer_backends")
+         "dsv4_kv_mode", "decode_host_transfer_backends", "index_share_rules")
 
 
 def test_every_pin_has_a_module_and_each_offers_the_same_names():

@@ -152,13 +152,15 @@ def index_share_problems(model_config) -> list[str]:
     ``index_topk_freq`` / ``index_skip_topk_offset``) as the swap-in's
     IndexShare prefetch reads it: a line per field the model code cannot
     run, before any weight loads."""
+    from sglang_hisparse.adapter import releases
     from sglang_hisparse.engine.index_share import IndexShareConfigError, roles_from_config
 
     if model_family(model_config.hf_config) is not ModelFamily.DSA:
         return []
     text = model_config.hf_text_config
     try:
-        roles_from_config(text, int(getattr(text, "num_hidden_layers", 0) or 0))
+        roles_from_config(text, int(getattr(text, "num_hidden_layers", 0) or 0),
+                          releases.current.index_share_rules())
     except IndexShareConfigError as exc:
         return [f"model config: {exc}"]
     return []

@@ -75,13 +75,15 @@ def configured_index_roles(server_args, token_to_kv_pool_allocator):
         return None
     if int(getattr(server_args, "pp_size", 1) or 1) > 1:
         return None
+    from sglang_hisparse.adapter import releases
     from sglang_hisparse.engine.index_share import roles_from_config
 
     try:
         config = server_args.get_model_config().hf_text_config
     except Exception:  # a test's server args without a model
         return None
-    return roles_from_config(config, token_to_kv_pool_allocator.get_kvcache().layer_num)
+    return roles_from_config(config, token_to_kv_pool_allocator.get_kvcache().layer_num,
+                             releases.current.index_share_rules())
 
 
 def shared_host_buffer_allocator(tp_group):

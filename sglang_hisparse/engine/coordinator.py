@@ -206,9 +206,8 @@ class Coordinator:
             self.tp_world_size = torch.distributed.get_world_size(group=tp_group)
 
         # Counters (decode log line, Prometheus). The kernel's tally of
-        # (selected tokens, misses) stays on the device: no sync on decode.
-        self._tally = torch.zeros(2, dtype=torch.int64, device=device)
-        self._tally_reader = TrailingReader(self._tally)
+        # (selected tokens, misses) stays on the device: no sync on decode;
+        # its rows are set up with the IndexShare prefetch below.
         self.host_bytes_written = 0
         self.host_bytes_read_staging = 0  # preloads (PD admission, parked joins)
         self.host_wait_events = 0
@@ -267,6 +266,14 @@ class Coordinator:
                         INDEXSHARE_PREFETCH_ENV, index_roles)
         elif index_roles is not None and index_roles.shares:
             logger.warning("HiSparse IndexShare prefetch off: %s", off)
+        # Tally row w - 1 counts the swap-ins that stand for w layers: an
+        # anchor whose shared layers follow its plan moves (and misses) the
+        # same rows once per layer, so the counters match a synchronous run.
+        stands_for = (self.prefetch.layers_per_swap_in if self.prefetch is not None
+                      else (1,) * self.layer_num)
+        self._tally = torch.zeros((max(stands_for), 2), dtype=torch.int64, device=device)
+        self._tally_of_layer = tuple(self._tally[w - 1] for w in stands_for)
+        self._tally_reader = TrailingReader(self._tally)
 
         if hasattr(alloc, "set_reservation_provider"):
             alloc.set_reservation_provider(self._owed_tokens)
@@ -451,7 +458,9 @@ class Coordinator:
         kernel's counts trail by one reading on a GPU)."""
         active = self.requests.slots_in(S.HOT)
         cap = int(self.req_device_buffer_size[active].sum()) if active else 0
-        selected, misses = self._tally_reader.read()
+        counts = self._tally_reader.read()  # [selected, misses] per row, flat
+        selected = sum(w * c for w, c in enumerate(counts[0::2], start=1))
+        misses = sum(w * c for w, c in enumerate(counts[1::2], start=1))
         stats = {
             "hits": selected - misses,
             "misses": misses,
@@ -822,7 +831,7 @@ class Coordinator:
             num_real_reqs=self.num_real_reqs.tensor,
             out=out,
             layout=layout,
-            tally=self._tally,
+            tally=self._tally_of_layer[layer_id],
             **extra,
         )
         if records:

@@ -11,7 +11,8 @@ the anchor's miss plan applied to its own layer's pools
 
 :func:`roles_from_config` reads the model configuration as SGLang 0.5.13's
 ``DeepseekV2AttentionMLA.__init__`` does (``models/deepseek_v2.py``; the
-manifest pins that source by hash):
+manifest pins that source by hash, and 0.5.15's ``dsa_layer_skips_topk``
+it calls):
 
 * ``index_topk_pattern`` (a string, one letter per layer): ``"S"`` shares,
   any other letter is an anchor;
@@ -19,6 +20,12 @@ manifest pins that source by hash):
   layer ``l`` shares iff ``max(l - offset + 1, 0) % freq != 0`` when the
   offset is given (it must be > 0), else iff ``max(l - 1, 0) % freq != 0``
   (so ``freq=2`` gives F F S F S ...).
+
+Releases differ at the edges (:class:`RoleRules`, picked per release in
+``adapter/releases/``): 0.5.13 indexes the pattern by layer id (a pattern
+shorter than the model fails there) and computes ``% None`` for an explicit
+``index_topk_freq: null``; 0.5.15.post1 makes layers past the pattern's end
+anchors and reads a null freq as 1.
 
 NextN (draft) layers always share in the model, but the draft runs without
 HiSparse, so they are no concern here. :func:`prefetch_off_reason` decides whether
@@ -94,20 +101,38 @@ class LayerRoles:
                 f"({self.pattern})")
 
 
-def roles_from_config(config, num_layers: int) -> LayerRoles:
+@dataclass(frozen=True)
+class RoleRules:
+    """Where a release's model code reads the sharing fields differently."""
+
+    short_pattern_anchors: bool  # layers past index_topk_pattern's end run their indexer
+    null_freq_is_one: bool  # index_topk_freq: null reads as 1
+
+
+# 0.5.13 and .post1 (DeepseekV2AttentionMLA.__init__ inline).
+RULES_0_5_13 = RoleRules(short_pattern_anchors=False, null_freq_is_one=False)
+# 0.5.15.post1 (configs/model_config.py dsa_layer_skips_topk).
+RULES_0_5_15 = RoleRules(short_pattern_anchors=True, null_freq_is_one=True)
+
+
+def roles_from_config(config, num_layers: int, rules: RoleRules = RULES_0_5_13) -> LayerRoles:
     """The roles of layers ``0 .. num_layers - 1`` from the model's (text)
-    config object, read the way 0.5.13's model code reads it (see the module
-    docstring). A configuration the model code would fail on raises
-    :class:`IndexShareConfigError` naming the field."""
+    config object, read the way the release's model code reads it (see the
+    module docstring; ``rules``: the release's, ``adapter/releases``'s
+    ``index_share_rules()``). A configuration the model code would fail on
+    raises :class:`IndexShareConfigError` naming the field."""
     pattern = getattr(config, "index_topk_pattern", None)
     freq = getattr(config, "index_topk_freq", 1)
+    if freq is None and rules.null_freq_is_one:
+        freq = 1
     offset = getattr(config, "index_skip_topk_offset", None)
     if pattern is not None:
-        if not isinstance(pattern, str) or len(pattern) < num_layers:
+        short_ok = rules.short_pattern_anchors and isinstance(pattern, str)
+        if not isinstance(pattern, str) or (len(pattern) < num_layers and not short_ok):
             raise IndexShareConfigError(
                 f"index_topk_pattern: expected a string of at least {num_layers} letters "
                 f"('F' runs the indexer, 'S' reuses the previous top-k), got {pattern!r}")
-        skip = [pattern[layer] == "S" for layer in range(num_layers)]
+        skip = [layer < len(pattern) and pattern[layer] == "S" for layer in range(num_layers)]
     else:
         if not isinstance(freq, int) or isinstance(freq, bool) or freq < 1:
             raise IndexShareConfigError(

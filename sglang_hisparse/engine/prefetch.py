@@ -37,8 +37,11 @@ stream), and the replay reads the real-row count on the device.
 
 With ``SGLANG_HISPARSE_SKIP_IO=1`` the anchor moves no bytes and neither do
 the replays (none are launched). Speculative verify rows work unchanged:
-the plan is per request, ``draft_tokens x top_k`` wide. The swap-in's tally
-counts the anchor's resolution only (a shared layer resolves nothing).
+the plan is per request, ``draft_tokens x top_k`` wide. A shared layer
+resolves nothing and adds nothing to the swap-in's tally; its anchor's
+call counts for itself and each of its shared layers
+(:attr:`IndexSharePrefetch.layers_per_swap_in`), so the hit and miss
+counters read as a synchronous run's.
 """
 
 from __future__ import annotations
@@ -60,6 +63,10 @@ class IndexSharePrefetch:
         self.is_shared = roles.is_shared
         self.anchor_of = roles.anchor_of
         self.followers = roles.followers
+        # How many layers' swap-in each layer's call stands for in the miss
+        # counters: an anchor's plan is moved once more per shared layer.
+        self.layers_per_swap_in = tuple(1 + len(self.followers.get(layer, ()))
+                                        for layer in range(roles.num_layers))
         # The plan of the last anchor's swap-in (rows past its batch unused).
         self.miss_src = torch.zeros((max_requests, plan_width), dtype=torch.int64, device=device)
         self.miss_dst = torch.zeros((max_requests, plan_width), dtype=torch.int32, device=device)

@@ -128,7 +128,8 @@ class Streams:
 
 
 class TrailingReader:
-    """Reads a small device tensor of counters without waiting on the GPU.
+    """Reads a small device tensor of counters without waiting on the GPU
+    (as a flat list).
 
     Each :meth:`read` starts a copy to pinned memory and returns what the
     last finished copy saw, so on a GPU the values trail by one reading (one
@@ -144,9 +145,9 @@ class TrailingReader:
 
     def read(self) -> list:
         if not self.tensor.is_cuda:
-            return self.tensor.tolist()
+            return self.tensor.view(-1).tolist()
         if self._copy is not None and self._copy.query():
-            self._seen = self._host.tolist()
+            self._seen = self._host.view(-1).tolist()
             self._copy = None
         if self._copy is None:
             self._host.copy_(self.tensor, non_blocking=True)

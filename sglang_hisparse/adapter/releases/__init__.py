@@ -28,6 +28,8 @@ Every module offers the same names:
   (0.5.14's one buffer per layer with the SWA window as a per-request ring);
 * ``decode_host_transfer_backends()`` - the ``--disaggregation-transfer-backend``
   values whose decode side can receive into HiSparse's host pool.
+* ``index_share_rules()`` - how the model code reads ``index_topk_pattern`` /
+  ``index_topk_freq`` at their edges (``engine.index_share.RoleRules``).
 """
 
 from __future__ import annotations

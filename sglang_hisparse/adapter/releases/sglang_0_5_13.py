@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from sglang_hisparse.adapter.args import apply_hisparse_dsa_backend_defaults
 from sglang_hisparse.arg_rules import HOST_TRANSFER_BACKENDS
+from sglang_hisparse.engine.index_share import RULES_0_5_13
 
 
 def prefill_len(req) -> int:
@@ -68,3 +69,8 @@ def decode_host_transfer_backends() -> tuple[str, ...]:
     transfers (1082-1083); mori registers them as MemoryLocationType.GPU
     (mori/conn.py:368-375): neither is among them."""
     return HOST_TRANSFER_BACKENDS
+
+
+def index_share_rules():
+    """How the model code reads the IndexShare fields (0.5.13 indexes index_topk_pattern by layer id (a short pattern fails) and computes with index_topk_freq as given)."""
+    return RULES_0_5_13

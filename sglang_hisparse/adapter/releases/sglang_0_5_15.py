@@ -26,6 +26,7 @@ import dataclasses
 
 from sglang_hisparse.adapter.releases import sglang_0_5_13
 from sglang_hisparse.dsa_backends import dsa_backend_for
+from sglang_hisparse.engine.index_share import RULES_0_5_15
 
 
 def prefill_len(req) -> int:
@@ -86,3 +87,8 @@ def decode_host_transfer_backends() -> tuple[str, ...]:
     # itself (nixl/conn.py:985-989). mori still registers every KV buffer as
     # GPU memory (mori/conn.py _register_local_buffers).
     return sglang_0_5_13.decode_host_transfer_backends() + ("nixl",)
+
+
+def index_share_rules():
+    """How the model code reads the IndexShare fields (0.5.15.post1's dsa_layer_skips_topk: layers past the pattern's end are anchors, a null freq is 1)."""
+    return RULES_0_5_15
