@@ -1048,6 +1048,13 @@ DEPENDS: tuple[Entry, ...] = (
         tests=("tests/test_disaggregation.py",),
     ),
     _depends(
+        "sglang.srt.mem_cache.memory_pool.DSATokenToKVPool.get_cpu_copy",
+        "the indexer's index_k_with_scale_buffer is indexed by page (location // page_size) "
+        "and must go with a retracted request's KV: its pages are reused",
+        (f"{_RETAIN}._save_index_k", f"{_RETAIN}._load_index_k"),
+        tests=("tests/test_pd_node.py",),
+    ),
+    _depends(
         f"{_REQ}.load_kv_cache",
         "hands kv_cache_cpu and req_to_token[: seqlen - 1] to allocator.load_cpu_copy, "
         "then drops kv_cache_cpu",

@@ -186,6 +186,7 @@ def test_each_pd_configuration_gets_its_flags(monkeypatch, tmp_path):
     assert "--disaggregation-bootstrap-port 8998" in flags("prefill")
     assert "--disaggregation-transfer-backend fake" in flags("pd-fake") and by["pd-fake"][0] == "ours"
     assert by["pd-ours"][2]["check"] is True and by["pd-cap"][2]["check"] is False
+    assert by["pd-retract"][2]["check"] is True  # where bytes differ after a resume
     assert by["pd-base"][0] == "base" and "--max-total-tokens 72000" in flags("pd-base")
     assert "--max-total-tokens 72000" in flags("pd-cap") and by["pd-cap"][0] == "ours"
     assert by["pd-retract"][3]["SGLANG_TEST_RETRACT"] == "1"
@@ -194,3 +195,73 @@ def test_each_pd_configuration_gets_its_flags(monkeypatch, tmp_path):
     assert by["pd-press"][2]["hs_config"]["host_to_device_ratio"] == 1
     assert all(by[n][3]["SGLANG_HOST_IP"] == "127.0.0.1" for n in nodes)
     assert "colo-base" in nodes and "--disaggregation-mode" not in flags("colo-base")
+
+
+# 0.5.13's start-up lines without openai_harmony (every server of the third GPU session)
+BENIGN_STARTUP = """\
+[x] Can not initialize OpenAIServingResponses, error: Traceback (most recent call last):
+  File "/tmp/site/sglang/srt/entrypoints/http_server.py", line 372, in lifespan
+    from sglang.srt.entrypoints.openai.serving_responses import (
+ModuleNotFoundError: No module named 'openai_harmony'
+
+[x] The server is fired up and ready to roll!
+"""
+
+
+def test_decode_facts_count_tracebacks_other_than_the_benign_start_up_one():
+    assert pd.decode_facts(BENIGN_STARTUP + LOG)["traceback"] == 0
+    crash = BENIGN_STARTUP + LOG + "Traceback (most recent call last):\n  File x\nRuntimeError: y\n"
+    assert pd.decode_facts(crash)["traceback"] == 1
+    assert pd.count_tracebacks(crash) == {"benign": 1, "other": 1}
+    assert pd.decode_facts(LOG)["max_prealloc_req"] == 1
+
+
+class _LogNode:
+    """The script's Node as part_retract reads it: a URL, a log text, stop()."""
+
+    def __init__(self, name, text):
+        self.name, self.url, self.log, self._text, self.stopped = name, f"http://{name}", name, text, False
+
+    def mark(self):
+        return 0
+
+    def text(self, since=0):
+        return self._text
+
+    def stop(self):
+        self.stopped = True
+
+
+def _part_retract(monkeypatch, retract_log, press_log, check=True, checked=(100, 0)):
+    finished = {"errors": [], "requests": [{"finish_reason": {"type": "length"}}] * 8}
+    monkeypatch.setattr(pd, "run", lambda url, w: finished)
+    monkeypatch.setattr(pd, "probe_after", lambda url: {"ok": True})
+    monkeypatch.setattr(pd, "exactness", lambda ref, got, args: {"violations": 0})
+    monkeypatch.setattr(pd, "Router", lambda *a: type("R", (), {"url": "r", "close": lambda s: None})())
+    monkeypatch.setattr(pd.e2e, "flush_counters", lambda url: None)
+    monkeypatch.setattr(pd.time, "sleep", lambda s: None)
+    monkeypatch.setattr(pd.e2e, "log_stats", lambda log, start: {
+        "exact_checked": checked[0], "exact_mismatch": checked[1]})
+    nodes = {"colo-base": _LogNode("colo-base", ""), "prefill": _LogNode("prefill", ""),
+             "pd-retract": _LogNode("pd-retract", retract_log),
+             "pd-press": _LogNode("pd-press", press_log)}
+    args = type("A", (), {"check": check})()
+    return pd.part_retract(nodes, {"colo-base": {"pdretract": finished}}, args)
+
+
+def test_retract_verdict_pd_press_waits_in_the_prealloc_queue_without_retracting(monkeypatch):
+    no_retraction = BENIGN_STARTUP + "\n".join(
+        line for line in LOG.splitlines() if "etract" not in line.split("Decode batch")[0])
+    v = _part_retract(monkeypatch, BENIGN_STARTUP + LOG, no_retraction)
+    assert v["pd-press"]["decode_log"]["retractions"] == 0
+    assert v["pd-press"]["waited_in_prealloc"] and v["pd-press"]["ok"]
+    assert v["pd-retract"]["check"]["check_ok"] is True and v["pd-retract"]["ok"] and v["ok"]
+    # pd-retract must retract, and its check must be exact
+    assert not _part_retract(monkeypatch, no_retraction, no_retraction)["ok"]
+    assert not _part_retract(monkeypatch, LOG, LOG, checked=(100, 3))["ok"]
+    assert not _part_retract(monkeypatch, LOG, LOG, checked=(0, 0))["ok"]  # never checked
+    assert _part_retract(monkeypatch, LOG, LOG, check=False)["pd-retract"]["check"] is None
+    # a real traceback fails either
+    crash = LOG + "Traceback (most recent call last):\nRuntimeError: y\n"
+    v = _part_retract(monkeypatch, LOG, crash)
+    assert v["ok"] and not v["pd-press"]["ok"]

@@ -38,6 +38,7 @@ from dataplane_fixtures import (
 from sglang_hisparse.adapter.model_runner import HiSparseCoordinator
 from sglang_hisparse.engine.state import ReqState
 from sglang_hisparse.pools.allocator import HiSparseDualAllocator
+from sglang_hisparse.pools.device_dsa import HiSparseDSADevicePool
 
 HOT, TOPK, RESERVED = 128, 16, 64
 DEVICE_ROWS = 1024
@@ -53,9 +54,27 @@ def server_args():
         yield args
 
 
+def put_index_tag(bufs, logical, tags):
+    """Tags into the indexer's K bytes of logical locations (one page of
+    ``PS`` tokens per buffer row: ``PS x 128`` key bytes, then the scales)."""
+    logical, tags = torch.as_tensor(logical).long(), torch.as_tensor(tags).long()
+    page, off = logical // PS, (logical % PS) * 128
+    for buf in bufs:
+        buf[page, off] = (tags % 256).to(torch.uint8)
+        buf[page, off + 1] = (tags // 256).to(torch.uint8)
+
+
+def get_index_tag(buf, logical):
+    logical = torch.as_tensor(logical).long()
+    page, off = logical // PS, (logical % PS) * 128
+    return (buf[page, off].long() + 256 * buf[page, off + 1].long()).tolist()
+
+
 class PDNode:
-    """A HiSparse PD decode node with a ratio-1 host pool (``DEVICE_ROWS`` host
-    rows), scheduled by 0.5.13's prealloc queue."""
+    """A HiSparse PD decode node with a ratio-``ratio`` host pool (``DEVICE_ROWS
+    x ratio`` host rows), scheduled by 0.5.13's prealloc queue. The prefill
+    node's KV and every forward write tags: latent KV ``position``, indexer
+    keys ``position + 1 + index_tag_base[rid]`` (0 by default)."""
 
     def __init__(self, server_args, ratio=1, max_reqs=8):
         from sglang.srt.disaggregation.decode import DecodePreallocQueue
@@ -63,7 +82,12 @@ class PDNode:
         from sglang.srt.managers.schedule_batch import ScheduleBatch
 
         self.server_args = server_args
-        self.pool = dsa_pool(DEVICE_ROWS)
+        self.pool = HiSparseDSADevicePool(
+            DEVICE_ROWS, page_size=PS, kv_lora_rank=512, dtype=torch.bfloat16,
+            qk_rope_head_dim=64, layer_num=dsa_pool(PS).layer_num, device="cpu",
+            index_head_dim=128, enable_memory_saver=False, kv_cache_dim=576,
+            host_to_device_ratio=ratio)
+        self.index_tag_base = {}
         self.r2t = req_pool(max_reqs, 2048)
         self.alloc = HiSparseDualAllocator(DEVICE_ROWS, PS, torch.bfloat16, "cpu", self.pool,
                                            False, ratio)
@@ -119,6 +143,10 @@ class PDNode:
             host = self.coord.req_to_host_pool[req.req_pool_idx, :n]
             for layer in range(self.pool.layer_num):
                 put_tag(self.host.kv_buffer[layer], host, torch.arange(n))
+            # the prefill's indexer keys (0.5.13 transfers them as state, by logical page)
+            put_index_tag(self.pool.index_k_with_scale_buffer,
+                          self.r2t.req_to_token[req.req_pool_idx, :n],
+                          torch.arange(n) + 1 + self.index_tag_base.get(req.rid, 0))
             self.prealloc.req_to_metadata_buffer_idx_allocator.free(dr.metadata_buffer_index)
             req.output_ids.append(7)  # the prefill's first token
             self.coord.admit_request_direct(req)  # process_decode_queue
@@ -151,6 +179,9 @@ class PDNode:
         rows = self.alloc.translate_to_physical(batch.out_cache_loc)
         for layer in range(self.pool.layer_num):
             put_tag(self.pool.kv_buffer[layer], rows, batch.seq_lens - 1)
+        base = torch.tensor([self.index_tag_base.get(r.rid, 0) for r in reqs])
+        put_index_tag(self.pool.index_k_with_scale_buffer, batch.out_cache_loc,
+                      batch.seq_lens + base)  # the indexer's key of position seq_len - 1
         keep = []
         for req in reqs:
             req.output_ids.append(7)
@@ -168,6 +199,11 @@ class PDNode:
         host = self.coord.req_to_host_pool[req.req_pool_idx, :n]
         for layer in range(self.pool.layer_num):
             assert get_tag(self.host.kv_buffer[layer], host) == list(range(n)), req.rid
+
+    def index_tags(self, req, n):
+        """The indexer keys of the request's positions [0, n), per layer."""
+        logical = self.r2t.req_to_token[req.req_pool_idx, :n]
+        return [get_index_tag(buf, logical) for buf in self.pool.index_k_with_scale_buffer]
 
     def drained(self):
         return (self.counts() == self.start and not self.coord.live_request_slots()
@@ -243,3 +279,55 @@ def test_a_failed_transfer_frees_the_host_rows_of_its_prealloc(server_args):
     assert node.drained()
     node.arrive("next", 300, 8)
     assert [r.rid for r in node.admit()] == ["next"]
+
+
+def test_a_resumed_request_reads_the_kv_and_indexer_keys_of_one_never_retracted(server_args):
+    # The pd-retract divergence of the third GPU session: the DSA indexer's
+    # keys live on the device by logical page, retraction freed those pages
+    # and the resumed request's new pages held another request's keys (or
+    # zeros), so its top-k differed. "kept" is retracted mid-decode, "other"
+    # arrives while it waits and takes its freed pages; "never" decodes
+    # through. After the resume, what the next decode steps read must be what
+    # "never" has at the same positions.
+    from sglang.srt.managers.schedule_batch import release_req
+
+    node = PDNode(server_args, ratio=2)
+    kept, never = node.arrive("kept", 200, 80), node.arrive("never", 200, 80)
+    while len(node.running.reqs) < 2:
+        assert node.admit()
+    for _ in range(20):
+        node.step()
+    batch = decode_batch(node.r2t, node.alloc, node.coord, node.running.reqs)
+    i = batch.reqs.index(kept)
+    release_req(req=kept, remaing_req_count=0, server_args=server_args,
+                req_to_token_pool=node.r2t, token_to_kv_pool_allocator=node.alloc,
+                tree_cache=node.cache, hisparse_coordinator=node.coord)
+    node.prealloc.add(kept, is_retracted=True)
+    node.running.reqs = [r for j, r in enumerate(node.running.reqs) if j != i]
+    node.index_tag_base["other"] = 5000  # foreign keys in the pages "kept" freed
+    node.arrive("other", 200, 10)
+    assert node.admit()
+    # "other" finishes before "kept" resumes: "kept" gets pages "other" wrote
+    while any(r.rid == "other" for r in node.running.reqs):
+        node.step()
+    assert [r.rid for r in node.resume()] == ["kept"]
+    for _ in range(3):
+        n = kept.kv_allocated_len  # positions whose KV the next step reads
+        assert kept.kv_committed_len == n == len(kept.origin_input_ids) + len(kept.output_ids) - 1
+        assert node.index_tags(kept, n) == [list(range(1, n + 1))] * node.pool.layer_num
+        assert node.index_tags(kept, n) == node.index_tags(never, n)
+        on_host = n - (1 if node.coord.requests.record(kept.req_pool_idx).skip_first_backup else 0)
+        host_k = node.coord.req_to_host_pool[kept.req_pool_idx, :n - 1]
+        host_n = node.coord.req_to_host_pool[never.req_pool_idx, :n - 1]
+        for layer in range(node.pool.layer_num):
+            assert get_tag(node.host.kv_buffer[layer], host_k) == list(range(n - 1))
+            assert get_tag(node.host.kv_buffer[layer], host_k) == \
+                get_tag(node.host.kv_buffer[layer], host_n)
+        assert on_host >= n - 1
+        node.step()
+    for _ in range(200):
+        node.step()
+        if not node.running.reqs:
+            break
+    assert sorted(r.rid for r in node.finished) == ["kept", "never", "other"]
+    assert node.drained()
