@@ -62,7 +62,9 @@ against the tags, the verified positions included), commits, and accepts
 1..N tokens at random; a running request is also finished or aborted
 between the mapping and the commit, and retracted. The LRU model check is
 the decode path's (the union's LRU is held to the reference by
-``tests/test_kernel_reference.py``); residency is off under speculation.
+``tests/test_kernel_reference.py``). With residency on, residents verify in
+their own rows (the reserve's pages mapped by ``Residency.cover_reserve``)
+and are demoted mid-run by admission or by growth short of rows.
 
 ``--verbose`` prints one JSON line of counters before the verdict line.
 """
@@ -771,8 +773,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.speculative > 1 and args.mode == "pd":
         ap.error("--speculative: PD decode with MTP is not supported yet")
-    if args.speculative > 1:
-        args.residency = "off"  # the coordinator keeps none resident under speculation
     sim = Sim(args.seed, residency=args.residency == "on", parking=args.parking == "on",
               pd=args.mode == "pd", device=args.device, top_k=args.top_k, hot=args.hot,
               draft_tokens=args.speculative)
