@@ -218,7 +218,8 @@ class Sim:
                           abort_waiting=0, abort_staging=0, abort_running=0, abort_prefill=0,
                           retract=0, retract_oom=0, swap_checks=0, host_wait_max=0,
                           resident_checks=0, parked=0, transferred=0, resumed=0,
-                          abort_retracted=0, verify_steps=0, accepted=0, abort_in_verify=0)
+                          abort_retracted=0, verify_steps=0, accepted=0, abort_in_verify=0,
+                          resident_verify=0)
         self.was_resident = set()  # requests seen resident (reset their model on demotion)
 
     # ---------------------------------------------------------- bookkeeping
@@ -399,6 +400,8 @@ class Sim:
         locs = verify_locs(self.r2t, batch, committed, n)
         self.coord.verify.map_slots(rpi, [r.kv_allocated_len for r in batch], self.dev(committed),
                                     locs.to(self.device))
+        # (after map_slots: it may have demoted some)
+        self.stats["resident_verify"] += sum(map(self.coord.residency.holds, rpi))
         with self.forward():
             self.coord.wait_for_pending_backup()
             self.coord.num_real_reqs.fill_(len(batch))
