@@ -118,6 +118,9 @@ margin exceeds --margin; such steps must agree within --tol.
     python scripts/e2e_gpu.py --configs base,ref,ours --ref-pkg .bundle/ref_pkg \
         --workloads capacity,lone --repeats 2
     python scripts/e2e_gpu.py --configs ours,noio --workloads concurrent --check --warmup 0
+    python scripts/e2e_gpu.py --configs base,ours,nores --workloads smoke --mtp 1,1,2 --check \
+        --warmup 0                              # MTP: logprobs, the check, the parity table
+    python scripts/e2e_gpu.py --configs nograph --workloads drain --mtp 1,1,2 --check --warmup 0
     python scripts/model_config.py --geometry v32 --layers 61 --out /tmp/dsv32-61
     python scripts/e2e_gpu.py --model /tmp/dsv32-61 --configs ours --workloads deep --check \
         --warmup 0 --server-args "--mem-fraction-static 0.45" \

@@ -349,3 +349,25 @@ def test_a_resident_released_mid_step_returns_everything(how, when):
         if when == "after_map":
             env.coord.verify.commit()  # nothing left to write back
     assert env.drained()
+
+
+def test_cover_reserve_maps_every_page_of_a_long_reserve_whole():
+    """A reserve several pages past the resident's rows: each logical page
+    gets a physical page of its own, offset for offset."""
+    env = resident_verify_env(phys=1024)
+    a = env.staged("a", 60)
+    env.coord.collect_ready_reqs()
+    reserve(env, a, 60 + 200)
+    env.coord.residency.cover_reserve([a.req_pool_idx], [a.kv_allocated_len])
+    assert env.coord.requests.record(a.req_pool_idx).resident_rows == 320
+    logical = env.r2t.req_to_token[a.req_pool_idx, :260].to(torch.int64)
+    # the last page past kv_allocated_len too (its logical slots follow position 259's)
+    logical = torch.cat([logical, logical[-1] + torch.arange(1, 61)])
+    rows = env.alloc.translate_to_physical(logical)
+    assert bool((rows > 0).all()) and rows.unique().numel() == 320
+    pages = rows.view(-1, PS)
+    assert bool((pages - pages[:, :1] == torch.arange(PS)).all())  # whole physical pages
+    assert env.alloc.physical_available_size() == 1024 - 320
+    with speculative_server_args():
+        env.finish(a)
+    assert env.drained()
