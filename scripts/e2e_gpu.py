@@ -82,8 +82,8 @@ behind) to its decode log line, and logs ``HiSparse exactness check: first
 mismatch ...`` once. After each launch's workloads a short request flushes
 the counters; the last ones, whether a first-mismatch line appeared and the
 last ``#hisparse miss:`` counter (proof that host reads happened) are
-tabulated per launch and written to the JSON's "launches". ours and nopark
-must come out exact, noio (copies skipped: a planted fault) must show
+tabulated per launch and written to the JSON's "launches". ours, nopark,
+sync, nograph and nores must come out exact, noio (copies skipped: a planted fault) must show
 mismatches, and a launch that checked nothing fails; the exit status is 1
 when any of them does not hold.
 
