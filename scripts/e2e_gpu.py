@@ -26,6 +26,11 @@ Configurations:
           synchronously; ours prefetches their misses. With ours, sync and
           noio in one run, an IndexShare table gives ours / noio throughput
           and how much of the sync - noio TPOT gap the prefetch closes
+  nograph ours with --disable-cuda-graph (every verify / decode step eager)
+  nores   ours with SGLANG_HISPARSE_RESIDENCY=0 (every request staged to host
+          and decoded from a hot buffer; ours keeps requests resident while
+          rows allow, so on short workloads only nores reaches the hot-buffer
+          path)
   stock   0.5.13 as shipped, plugin not loaded (expected to crash at the
           first decode step)
   ref     ours from another copy of the package (--ref-pkg DIR: a
@@ -54,6 +59,16 @@ Workloads:
   decode16k   16 x 16000-token prompts x 512 output tokens, the same flags:
               all 16 decode at once after half decodebound's prefill
   mixed       8 x 32000 and 16 x 4000 tokens x 512 output tokens, same flags
+  drain       the abort/retract proof (run_drain): 8 x 9000-token prompts x 192
+              output tokens at --max-total-tokens 30000 with 0.5.13's forced
+              retraction (SGLANG_TEST_RETRACT=1, every 20 forwards); 4 of them
+              are aborted (/abort_request) after 8 streamed tokens, mid-decode
+              (under MTP every decode step is a verify step), then,
+              once idle, a probe request (600 tokens x 64) whose decode log
+              lines must show the pools holding the probe alone (#gpu token /
+              #cpu token, base: #token, within 2 x the probe's pages; a leaked
+              9000-token request holds >= 4160), no "memory leak detected"
+              and no drift; exit 1 otherwise
   deep        4 concurrent 12000-token prompts x 64 output tokens,
               --max-total-tokens 60000, CUDA graphs up to batch 4: sized for
               the 61-layer DeepSeek-V3.2-geometry model (31 GB of bf16
@@ -75,8 +90,8 @@ behind) to its decode log line, and logs ``HiSparse exactness check: first
 mismatch ...`` once. After each launch's workloads a short request flushes
 the counters; the last ones, whether a first-mismatch line appeared and the
 last ``#hisparse miss:`` counter (proof that host reads happened) are
-tabulated per launch and written to the JSON's "launches". ours and nopark
-must come out exact, noio (copies skipped: a planted fault) must show
+tabulated per launch and written to the JSON's "launches". ours, nopark,
+sync, nograph and nores must come out exact, noio (copies skipped: a planted fault) must show
 mismatches, and a launch that checked nothing fails; the exit status is 1
 when any of them does not hold.
 
@@ -96,6 +111,12 @@ and prints the spread, so a report can say how noisy the machine was, and
 ``--cpus fastest:4`` runs every server on the four cores it timed fastest
 (the host may still slow a core down later).
 
+--mtp: each request's meta_info ``spec_verify_ct`` (verify steps) and
+``spec_accept_length`` (output tokens / verify steps) are recorded, and a
+speculative-parity table compares every configuration with base request by
+request: a request whose output ids equal base's must have base's verify
+count (the same draft proposals accepted at the same steps).
+
 Exactness: greedy outputs with top-2 logprobs; a step counts when both
 servers produced the same prefix so far and the baseline's top-1/top-2
 margin exceeds --margin; such steps must agree within --tol.
@@ -105,6 +126,9 @@ margin exceeds --margin; such steps must agree within --tol.
     python scripts/e2e_gpu.py --configs base,ref,ours --ref-pkg .bundle/ref_pkg \
         --workloads capacity,lone --repeats 2
     python scripts/e2e_gpu.py --configs ours,noio --workloads concurrent --check --warmup 0
+    python scripts/e2e_gpu.py --configs base,ours,nores --workloads smoke --mtp 1,1,2 --check \
+        --warmup 0                              # MTP: logprobs, the check, the parity table
+    python scripts/e2e_gpu.py --configs nograph --workloads drain --mtp 1,1,2 --check --warmup 0
     python scripts/model_config.py --geometry v32 --layers 61 --out /tmp/dsv32-61
     python scripts/e2e_gpu.py --model /tmp/dsv32-61 --configs ours --workloads deep --check \
         --warmup 0 --server-args "--mem-fraction-static 0.45" \
@@ -156,13 +180,19 @@ WORKLOADS = {
     "decode16k": ([[16000] * 16], 512, _LONG),
     # The same HBM, long and short requests together.
     "mixed": ([[32000] * 8 + [4000] * 16], 512, _LONG),
+    # Aborts and retractions, then a probe: see run_drain.
+    "drain": ([[9000] * 8], 192, ["--max-total-tokens", "30000"]),
 }
+# Server environment a workload's launches get (its own launches: the key
+# of a launch is the workload's flags and this).
+WORKLOAD_ENV = {"drain": {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "20"}}
 
-CONFIGS = ("base", "native", "ours", "nopark", "stream", "nostream", "noio", "sync", "stock", "ref")
+CONFIGS = ("base", "native", "ours", "nopark", "stream", "nostream", "noio", "sync", "nograph", "nores",
+           "stock", "ref")
 # Configurations whose server runs this work tree's data plane, and what
 # --check must find in them: noio skips the host copies, a planted fault.
 CHECK_EXPECT = {"ours": "exact", "nopark": "exact", "stream": "exact", "nostream": "exact", "sync": "exact",
-                "noio": "mismatch"}
+                "nograph": "exact", "nores": "exact", "noio": "mismatch"}
 CHECK_ENV = "SGLANG_HISPARSE_CHECK"
 EXPERIMENTAL_MTP_ENV = "SGLANG_HISPARSE_EXPERIMENTAL_MTP"
 SYNTHETIC_ENV = "SGLANG_HISPARSE_SYNTHETIC_TOPK"
@@ -201,12 +231,13 @@ def server_cmd(model: str, port: int, config: str, extra: list[str],
                step_profile: bool = False, hs_config: Optional[dict] = None,
                ref_pkg: Optional[str] = None, check: bool = False,
                server_args: Optional[list[str]] = None,
-               synthetic: Optional[str] = None, mtp: bool = False) -> tuple[list[str], dict]:
+               synthetic: Optional[str] = None, mtp: bool = False,
+               extra_env: Optional[dict] = None) -> tuple[list[str], dict]:
     if config not in CONFIGS:
         raise ValueError(f"unknown configuration {config!r}; allowed: {', '.join(CONFIGS)}")
     if config == "ref" and not ref_pkg:
         raise ValueError("configuration 'ref' needs --ref-pkg DIR")
-    env = dict(os.environ)
+    env = dict(os.environ, **(extra_env or {}))
     if step_timer_out is not None:
         # scripts/steptimer is a diagnostic SGLang plugin (see its docstring).
         step_timer_out.mkdir(parents=True, exist_ok=True)
@@ -257,6 +288,10 @@ def server_cmd(model: str, port: int, config: str, extra: list[str],
         env["SGLANG_HISPARSE_STREAMING"] = "1"
     if config == "sync":
         env["SGLANG_HISPARSE_INDEXSHARE_PREFETCH"] = "0"
+    if config == "nograph":
+        args += ["--disable-cuda-graph"]
+    if config == "nores":
+        env["SGLANG_HISPARSE_RESIDENCY"] = "0"
     if config == "stock":
         # SGLang's own whitelist: every plugin but ours (test weights stay).
         from importlib.metadata import entry_points
@@ -457,6 +492,9 @@ def stream_generate(url: str, ids: list[int], max_new: int, timeout: float = 600
         "ttft": stamps[0] if stamps else None,
         "e2e": stamps[-1] if stamps else None,
         "finish_reason": mi.get("finish_reason"),
+        # speculative decoding (0.5.13 tokenizer_manager: absent without it)
+        "spec_verify_ct": mi.get("spec_verify_ct"),
+        "spec_accept_length": mi.get("spec_accept_length"),
     }
     n = len(out["output_ids"] or [])
     if n > 1 and out["ttft"] is not None:
@@ -480,6 +518,21 @@ def gap_stats(requests: list[dict]) -> dict:
             "itg_worst_over_median": worst}
 
 
+def add_rates(res: dict, t0: float) -> dict:
+    """A workload's rates from its requests (``res["requests"]``), begun at ``t0``."""
+    res["wall_s"] = time.time() - t0
+    out_tokens = sum(len(r["output_ids"] or []) for r in res["requests"])
+    res["output_tok_s"] = out_tokens / res["wall_s"] if res["wall_s"] else 0.0
+    tpots = [r["tpot_ms"] for r in res["requests"] if "tpot_ms" in r]
+    res["mean_tpot_ms"] = statistics.mean(tpots) if tpots else None
+    # A lone request's time to first token is its prefill time: 16 of them
+    # bound how fast the capacity workload can go, whatever the batch.
+    ttfts = [r["ttft"] for r in res["requests"] if r.get("ttft") is not None]
+    res["median_ttft_s"] = statistics.median(ttfts) if ttfts else None
+    res.update(gap_stats(res["requests"]))
+    return res
+
+
 def run_workload(url: str, name: str, seed0: int = 0, max_requests: Optional[int] = None,
                  max_new: Optional[int] = None) -> dict:
     groups, default_new, _ = WORKLOADS[name]
@@ -497,17 +550,7 @@ def run_workload(url: str, name: str, seed0: int = 0, max_requests: Optional[int
                     res["requests"].append(f.result())
                 except Exception as exc:
                     res["errors"].append(repr(exc))
-    res["wall_s"] = time.time() - t0
-    out_tokens = sum(len(r["output_ids"] or []) for r in res["requests"])
-    res["output_tok_s"] = out_tokens / res["wall_s"] if res["wall_s"] else 0.0
-    tpots = [r["tpot_ms"] for r in res["requests"] if "tpot_ms" in r]
-    res["mean_tpot_ms"] = statistics.mean(tpots) if tpots else None
-    # A lone request's time to first token is its prefill time: 16 of them
-    # bound how fast the capacity workload can go, whatever the batch.
-    ttfts = [r["ttft"] for r in res["requests"] if r.get("ttft") is not None]
-    res["median_ttft_s"] = statistics.median(ttfts) if ttfts else None
-    res.update(gap_stats(res["requests"]))
-    return res
+    return add_rates(res, t0)
 
 
 def flush_counters(url: str) -> None:
@@ -518,6 +561,222 @@ def flush_counters(url: str) -> None:
         time.sleep(0.5)
     except Exception as exc:
         print(f"counter flush request failed: {exc!r}", flush=True)
+
+
+# --- the drain workload ------------------------------------------------------
+DRAIN_ABORTS, DRAIN_ABORT_AFTER_TOKENS = 4, 8
+PROBE_LEN, PROBE_NEW = 600, 64
+PROBE_PAGES = -(-(PROBE_LEN + PROBE_NEW) // 64) * 64
+# The pools after the drain hold the probe alone: its KV, its spec reserve
+# and a hot buffer grown to it fit twice its pages; any request of the drain
+# left behind would hold >= 4160 rows (a long request's hot buffer) and
+# >= 9024 host rows.
+DRAIN_POOL_BOUND = 2 * PROBE_PAGES
+
+
+def abort_after(url: str, ids: list[int], max_new: int, tokens: int, rid: str) -> dict:
+    """A streaming request aborted through the server's /abort_request once
+    ``tokens`` outputs have streamed (mid-decode: under MTP every decode step
+    is a verify step); reads its stream to the end. Returns the outputs
+    streamed and the finish reason."""
+    body = json.dumps({"input_ids": ids, "stream": True, "rid": rid,
+                       "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new,
+                                           "ignore_eos": True}}).encode()
+    req = urllib.request.Request(url + "/generate", data=body,
+                                 headers={"Content-Type": "application/json"})
+    seen, last = 0, None
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            last = json.loads(line[5:])
+            seen += 1
+            if seen == tokens:
+                abort = urllib.request.Request(
+                    url + "/abort_request", data=json.dumps({"rid": rid}).encode(),
+                    headers={"Content-Type": "application/json"})
+                urllib.request.urlopen(abort, timeout=30).close()
+    reason = (last or {}).get("meta_info", {}).get("finish_reason")
+    return {"streamed": seen, "output_tokens": len((last or {}).get("output_ids") or []),
+            "finish_reason": reason}
+
+
+_FIELD = {key: re.compile(rf"{re.escape(key)}: (\d+)") for key in
+          ("#gpu token", "#cpu token", "#token", "#running-req", "#hisparse drift")}
+
+
+def decode_line_max(text: str, key: str) -> Optional[int]:
+    """The largest value of a decode log field in ``text`` (None: absent)."""
+    vals = [int(m.group(1)) for line in text.splitlines() if "Decode batch" in line
+            for m in [_FIELD[key].search(line)] if m]
+    return max(vals) if vals else None
+
+
+def run_drain(url: str, log_path: Path, max_new: Optional[int] = None) -> dict:
+    """The drain workload (see the module docstring): what completed, what
+    the server logged while it ran, and the pools as the probe's decode log
+    lines show them once everything else is gone."""
+    groups, default_new, _ = WORKLOADS["drain"]
+    max_new = max_new or default_new
+    lens = groups[0]
+    ids = [make_ids(n, 5000 + k) for k, n in enumerate(lens)]
+    start = log_path.stat().st_size
+    res = {"requests": [], "errors": []}
+    t0 = time.time()
+    with ThreadPoolExecutor(len(ids)) as ex:
+        hang = [ex.submit(abort_after, url, x, max_new, DRAIN_ABORT_AFTER_TOKENS, f"drain-abort-{k}")
+                for k, x in enumerate(ids[:DRAIN_ABORTS])]
+        full = [ex.submit(stream_generate, url, x, max_new) for x in ids[DRAIN_ABORTS:]]
+        for f in full:
+            try:
+                res["requests"].append(f.result())
+            except Exception as exc:
+                res["errors"].append(repr(exc))
+        seen = []
+        for f in hang:
+            try:
+                seen.append(f.result())
+            except Exception as exc:
+                res["errors"].append(repr(exc))
+    add_rates(res, t0)
+    time.sleep(3.0)  # the aborts reach the scheduler; it goes idle
+    mark = log_path.stat().st_size
+    probe = None
+    try:
+        probe = stream_generate(url, make_ids(PROBE_LEN, 4243), PROBE_NEW, timeout=180)
+    except Exception as exc:
+        res["errors"].append(f"probe: {exc!r}")
+    time.sleep(1.0)
+    text = log_path.read_text(errors="ignore")
+    during, after = text[start:mark], text[mark:]
+    retracts = (re.findall(r"Retract requests\. #retracted_reqs: (\d+)", during)
+                + re.findall(r"Testing retraction\. #retracted_reqs: (\d+)", during))
+    pools = {key: decode_line_max(after, key) for key in ("#gpu token", "#cpu token", "#token")}
+    held = [v for v in pools.values() if v is not None]
+    drift = decode_line_max(text[start:], "#hisparse drift")
+    verdict = {
+        "completed": len(res["requests"]), "expected": len(lens) - DRAIN_ABORTS,
+        # aborted with fewer outputs than asked for (0.5.13 names it "abort")
+        "aborted": sum(1 for x in seen if x["output_tokens"] < max_new),
+        "aborts": seen,
+        "retractions": sum(int(x) for x in retracts), "retraction_events": len(retracts),
+        "probe_ok": bool(probe and len(probe["output_ids"] or []) == PROBE_NEW),
+        "probe_pools": pools, "pool_bound": DRAIN_POOL_BOUND,
+        "memory_leak_lines": text[start:].count("memory leak detected"),
+        "drift": drift, "traceback": "Traceback" in text[start:],
+    }
+    verdict["pools_back"] = bool(held) and max(held) <= DRAIN_POOL_BOUND
+    verdict["ok"] = (verdict["pools_back"] and verdict["probe_ok"]
+                     and verdict["completed"] == verdict["expected"]
+                     and verdict["aborted"] == DRAIN_ABORTS
+                     and verdict["retraction_events"] > 0 and not verdict["memory_leak_lines"]
+                     and not drift and not verdict["traceback"])
+    res["drain"] = verdict
+    return res
+
+
+def summarize_drain(results, configs) -> list[dict]:
+    """One row per launch of the drain workload."""
+    rows = [dict(config=c, **r["drain"]) for c in configs
+            for r in results.get(c, {}).get("drain", []) if r.get("drain")]
+    if not rows:
+        return rows
+    print(f"\ndrain ({DRAIN_ABORTS} aborted mid-decode, forced retraction, then a "
+          f"{PROBE_LEN}-token probe; pools within {DRAIN_POOL_BOUND} tokens)")
+    for x in rows:
+        print(f"drain {x['config']:<8} completed {x['completed']}/{x['expected']}, aborted "
+              f"{x['aborted']}/{DRAIN_ABORTS} mid-decode, retractions "
+              f"{x['retractions']} in {x['retraction_events']} events, probe "
+              f"{'ok' if x['probe_ok'] else 'FAILED'}, pools after {x['probe_pools']}, "
+              f"leak lines {x['memory_leak_lines']}, drift {x['drift'] or 0}"
+              f"{', TRACEBACK' if x['traceback'] else ''}: {'OK' if x['ok'] else 'FAILED'}",
+              flush=True)
+    return rows
+
+
+# Issue #17's performance targets, both servers with MTP: a lone (resident)
+# request's TPOT within 1.05x base's, the capacity workload at >= 2x base's
+# output rate.
+MTP_TARGETS = {("lone", "tpot_vs_base"): ("<=", 1.05), ("capacity", "tok_s_vs_base"): (">=", 2.0)}
+
+
+def summarize_mtp_targets(summary: list[dict], config: str = "ours") -> list[dict]:
+    """The MTP targets from summary rows (medians over runs)."""
+    rows = []
+    for (w, key), (op, target) in MTP_TARGETS.items():
+        row = next((r for r in summary if r["workload"] == w and r["config"] == config), None)
+        if row is None or row.get(key) is None:
+            continue
+        met = row[key] <= target if op == "<=" else row[key] >= target
+        rows.append({"workload": w, "config": config, "ratio": key, "value": row[key],
+                     "target": f"{op} {target}", "met": met, "runs": row["runs"]})
+        print(f"mtp target {w:<9} {config} {key} {row[key]:.3f} (target {op} {target}: "
+              f"{'met' if met else 'NOT met'}; {row['runs']} run(s))", flush=True)
+    return rows
+
+
+def spec_parity(base: dict, other: dict) -> dict:
+    """Per request (same prompts, same order): verify counts and accept
+    lengths against base's; a request whose output ids equal base's must
+    have base's verify count."""
+    out = {"requests": 0, "identical_outputs": 0, "verify_ct_equal": 0,
+           "identical_but_verify_ct_differs": 0, "max_abs_d_accept_length": 0.0,
+           "verify_ct": [], "base_verify_ct": []}
+    for a, b in zip(base["requests"], other["requests"]):
+        va, vb = a.get("spec_verify_ct"), b.get("spec_verify_ct")
+        if va is None or vb is None:
+            continue
+        out["requests"] += 1
+        same = (a["output_ids"] or []) == (b["output_ids"] or [])
+        out["identical_outputs"] += same
+        out["verify_ct_equal"] += va == vb
+        out["identical_but_verify_ct_differs"] += same and va != vb
+        out["max_abs_d_accept_length"] = max(out["max_abs_d_accept_length"], abs(
+            (a.get("spec_accept_length") or 0) - (b.get("spec_accept_length") or 0)))
+        out["base_verify_ct"].append(va)
+        out["verify_ct"].append(vb)
+    return out
+
+
+def summarize_spec(results, configs, workloads) -> list[dict]:
+    """--mtp: every configuration's verify counts and accept lengths against
+    base's, request by request, per workload (all runs pooled)."""
+    rows = []
+    for w in workloads:
+        base_runs = results.get("base", {}).get(w, [])
+        for c in configs:
+            runs = results[c][w]
+            acc = [q.get("spec_accept_length") for r in runs for q in r["requests"]
+                   if q.get("spec_accept_length") is not None]
+            row = {"workload": w, "config": c,
+                   "mean_accept_length": statistics.mean(acc) if acc else None}
+            if c != "base" and base_runs:
+                parts = [spec_parity(b, o) for b, o in zip(base_runs, runs)]
+                for k in ("requests", "identical_outputs", "verify_ct_equal",
+                          "identical_but_verify_ct_differs"):
+                    row[k] = sum(x[k] for x in parts)
+                row["max_abs_d_accept_length"] = max(
+                    (x["max_abs_d_accept_length"] for x in parts), default=None)
+                row["verify_ct"] = [v for x in parts for v in x["verify_ct"]]
+                row["base_verify_ct"] = [v for x in parts for v in x["base_verify_ct"]]
+                row["parity_ok"] = bool(row["requests"]) and not row["identical_but_verify_ct_differs"]
+            rows.append(row)
+    if not any(r["mean_accept_length"] is not None for r in rows):
+        return rows
+    print("\nspeculative parity vs base (meta_info spec_verify_ct / spec_accept_length, "
+          "request by request)")
+    for r in rows:
+        f = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+        line = f"spec {r['workload']:<11} {r['config']:<8} accept length {f(r['mean_accept_length'])}"
+        if "requests" in r:
+            line += (f", verify_ct equal {r['verify_ct_equal']}/{r['requests']} "
+                     f"(identical outputs {r['identical_outputs']}, of them with another "
+                     f"verify_ct {r['identical_but_verify_ct_differs']}), max |d accept length| "
+                     f"{f(r['max_abs_d_accept_length'])}, verify_ct {r['verify_ct']} vs base "
+                     f"{r['base_verify_ct']}: {'parity' if r['parity_ok'] else 'NO PARITY'}")
+        print(line, flush=True)
+    return rows
 
 
 _RUNNING = re.compile(r"Decode batch.*?#running-req: (\d+)")
@@ -799,25 +1058,26 @@ def main() -> int:
         return 2
     results: dict = {c: {w: [] for w in workloads} for c in configs}
     launches: list[dict] = []
-    # Workloads with their own server flags get their own launches.
+    # Workloads with their own server flags (or environment) get their own launches.
     by_flags: dict[tuple, list[str]] = {}
     for w in workloads:
-        by_flags.setdefault(tuple(WORKLOADS[w][2]), []).append(w)
+        key = (tuple(WORKLOADS[w][2]), tuple(sorted(WORKLOAD_ENV.get(w, {}).items())))
+        by_flags.setdefault(key, []).append(w)
     for rep in range(args.repeats):
-        for flags, ws in by_flags.items():
+        for (flags, wenv), ws in by_flags.items():
             for cfg in configs:
                 log = Path(args.logs) / f"server_{cfg}_{ws[0]}_{rep}.log"
                 timer_out = (Path(args.logs) / f"steptimer_{cfg}_{ws[0]}_{rep}"
                              if args.step_timer else None)
                 srv = Server(model, args.port, cfg, list(flags), log, timer_out, cpus,
-                             step_profile=args.step_profile, **opts)
+                             step_profile=args.step_profile, extra_env=dict(wenv), **opts)
                 launch = {"config": cfg, "rep": rep, "workloads": ws, "log": log.name,
                           "check": args.check}
                 try:
                     ready = srv.wait_ready()
                     launch["ready_s"] = ready
                     print(f"[{cfg} rep{rep}] ready in {ready:.0f}s", flush=True)
-                    for w in (ws if args.warmup else []):
+                    for w in ([w for w in ws if w != "drain"] if args.warmup else []):
                         # The first batch after launch pays one-time costs (JIT
                         # builds, allocator growth): run each workload once unrecorded.
                         run_workload(srv.url, w, seed0=7919, max_requests=args.requests,
@@ -829,8 +1089,9 @@ def main() -> int:
                         mark = log.stat().st_size
                         time.sleep(0.6 if timer_out else 0)  # let the snapshot catch up
                         before = step_timer_snapshot(timer_out)
-                        r = run_workload(srv.url, w, max_requests=args.requests,
-                                         max_new=args.max_new)
+                        r = (run_drain(srv.url, log, max_new=args.max_new) if w == "drain"
+                             else run_workload(srv.url, w, max_requests=args.requests,
+                                               max_new=args.max_new))
                         r.update(log_stats(log, mark))
                         if timer_out:
                             time.sleep(0.6)
@@ -876,11 +1137,16 @@ def main() -> int:
     if args.step_timer:
         print_step_timer(results, configs, workloads)
     checks = summarize_checks(launches)
+    spec = summarize_spec(results, configs, workloads) if args.mtp else []
+    spec += summarize_mtp_targets(summary) if args.mtp else []
+    drain = summarize_drain(results, configs)
     Path(args.out).write_text(json.dumps({"summary": summary, "decode": decode, "env": env,
                                           "indexshare": indexshare, "runs": results,
-                                          "launches": launches, "checks": checks}, indent=1))
+                                          "launches": launches, "checks": checks,
+                                          "spec": spec, "drain": drain}, indent=1))
     failed_checks = [c for c in checks if c.get("check_ok") is False]
-    return 1 if failed_checks or not all(s.get("ok", True) for s in summary) else 0
+    failed_drain = [d for d in drain if not d["ok"]]
+    return 1 if failed_checks or failed_drain or not all(s.get("ok", True) for s in summary) else 0
 
 
 def print_step_timer(results, configs, workloads) -> None:
@@ -922,9 +1188,8 @@ def merge(args) -> int:
             for w, runs in by_w.items():
                 results.setdefault(cfg, {}).setdefault(w, []).extend(runs)
         launches += [dict(x, source=str(path)) for x in data.get("launches", [])]
-    order = [c for c in ("base", "native", "ref", "ours", "sync", "nopark", "stream", "nostream", "noio",
-                         "stock")
-             if c in results]
+    order = [c for c in ("base", "native", "ref", "ours", "sync", "nograph", "nores", "nopark",
+                         "stream", "nostream", "noio", "stock") if c in results]
     configs = order + [c for c in results if c not in order]
     workloads = sorted({w for by_w in results.values() for w in by_w})
     for c in configs:
@@ -934,9 +1199,12 @@ def merge(args) -> int:
     decode = summarize_decode(results, configs, workloads)
     indexshare = summarize_indexshare(summary, decode)
     checks = summarize_checks(launches)
+    spec = summarize_spec(results, configs, workloads) + summarize_mtp_targets(summary)
+    drain = summarize_drain(results, configs)
     Path(args.out).write_text(json.dumps({"summary": summary, "decode": decode, "runs": results,
                                           "indexshare": indexshare, "launches": launches,
-                                          "checks": checks}, indent=1))
+                                          "checks": checks, "spec": spec, "drain": drain},
+                                         indent=1))
     return 0
 
 

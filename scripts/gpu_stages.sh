@@ -88,13 +88,28 @@
 #             0/13/100%) and --verify 2,4 (speculative verify rows: the union
 #             call per layer beside the gather floor and the decode call).
 #             ~2 min cold (nvcc builds), ~1 min warm.
-#   mtp       MTP (EAGLE) with HiSparse behind SGLANG_HISPARSE_EXPERIMENTAL_MTP:
-#             e2e_gpu.py --mtp GF_MTP (1,1,2: steps, top-k, draft tokens) on
-#             the kit model given a NextN layer, configs GF_MTP_CONFIGS
-#             (ours,base), workloads GF_MTP_WORKLOADS (smoke), with --check,
-#             --hisparse-config GF_MTP_HS if set (4 draft tokens need a hot
-#             buffer of >= 4 x 2048);
-#             capped at GF_MTP_CAP_S (420 s). ~2.5 min per launch cold.
+#   mtp       MTP (EAGLE) with HiSparse behind SGLANG_HISPARSE_EXPERIMENTAL_MTP,
+#             the kit model given a NextN layer, --mtp GF_MTP (1,1,2: steps,
+#             top-k, draft tokens), --hisparse-config GF_MTP_HS if set (4 draft
+#             tokens need a hot buffer of >= 4 x 2048), two e2e_gpu.py calls:
+#             1. configs GF_MTP_CONFIGS (base,ours: ours keeps requests
+#             resident while rows allow) on GF_MTP_WORKLOADS (smoke) with
+#             --check: logprobs vs base, the check's counters and the
+#             speculative parity table (spec_verify_ct per request vs base);
+#             2. configs GF_MTP_DRAIN_CONFIGS (nograph: ours without CUDA
+#             graphs; empty: skipped) on the drain workload with --check: 8 x
+#             9000 tokens at --max-total-tokens 30000 (residents demoted),
+#             forced retraction, 4 aborts mid-decode, then a probe whose
+#             decode log lines must show the pools back (the "drain" line).
+#             3 launches, capped at GF_MTP_CAP_S (510 s): ~8 min cold.
+#   mtpperf   MTP performance targets (no check): configs GF_MTP_PERF_CONFIGS
+#             (base,ours) on capacity + lone (one launch each, warm-up run
+#             first, --cpu-probe), GF_MTP_PERF_REPEATS (1) rounds; prints the
+#             "mtp target" lines: lone TPOT ours/base (<= 1.05, ours
+#             resident) and capacity tok/s ours/base (>= 2). ~7 min cold.
+#             Run it again with GF_MTP_PERF_CONFIGS=ours,base (opposite
+#             order) and merge here: python3 scripts/e2e_gpu.py --merge
+#             mtpperf_a.json mtpperf_b.json --out mtpperf.json
 #   pd        PD disaggregation (issue #18): scripts/pd_gpu.py on the kit model,
 #             Mooncake from .bundle/mooncake.tar.xz (scripts/pack_mooncake.sh,
 #             here; unpacked by scripts/mooncake_env.sh): a prefill server,
@@ -154,8 +169,8 @@ if [ ${#STAGES[@]} -eq 0 ]; then
   exit 2
 fi
 for s in "${STAGES[@]}"; do
-  case $s in tests|bg-tests|check|fault|e2e|e2e1|e2e2|deep|trace|decode|bound|stream|kbench|mtp|pd|indexshare|jit) ;;
-    *) echo "unknown stage $s (tests bg-tests check fault e2e e2e1 e2e2 deep trace decode bound stream kbench mtp pd indexshare jit)"; exit 2 ;;
+  case $s in tests|bg-tests|check|fault|e2e|e2e1|e2e2|deep|trace|decode|bound|stream|kbench|mtp|mtpperf|pd|indexshare|jit) ;;
+    *) echo "unknown stage $s (tests bg-tests check fault e2e e2e1 e2e2 deep trace decode bound stream kbench mtp mtpperf pd indexshare jit)"; exit 2 ;;
   esac
 done
 [ -f scripts/e2e_gpu.py ] && [ -f .gpu/device_env.sh ] || {
@@ -382,10 +397,24 @@ decode_cmd() {
     --out "$RUN/decode"
 }
 
-mtp_cmd() {
-  "${E2E[@]}" --configs "${GF_MTP_CONFIGS:-ours,base}" --workloads "${GF_MTP_WORKLOADS:-smoke}" \
+mtp_cmd() {  # ours vs base with the check and the parity, then the drain (see the header)
+  local rc=0
+  "${E2E[@]}" --configs "${GF_MTP_CONFIGS:-base,ours}" --workloads "${GF_MTP_WORKLOADS:-smoke}" \
     --mtp "${GF_MTP:-1,1,2}" ${GF_MTP_HS:+--hisparse-config "$GF_MTP_HS"} --check --warmup 0 \
-    --out "$RUN/mtp.json" --logs "$RUN/mtp"
+    --out "$RUN/mtp.json" --logs "$RUN/mtp" || rc=1
+  if [ -n "${GF_MTP_DRAIN_CONFIGS-nograph}" ]; then
+    "${E2E[@]}" --configs "${GF_MTP_DRAIN_CONFIGS-nograph}" --workloads drain \
+      --mtp "${GF_MTP:-1,1,2}" ${GF_MTP_HS:+--hisparse-config "$GF_MTP_HS"} --check --warmup 0 \
+      --out "$RUN/mtp_drain.json" --logs "$RUN/mtp_drain" || rc=1
+  fi
+  return $rc
+}
+
+mtpperf_cmd() {
+  "${E2E[@]}" --configs "${GF_MTP_PERF_CONFIGS:-base,ours}" --workloads capacity,lone \
+    --mtp "${GF_MTP:-1,1,2}" ${GF_MTP_HS:+--hisparse-config "$GF_MTP_HS"} \
+    --repeats "${GF_MTP_PERF_REPEATS:-1}" "${CPU_ARGS[@]}" \
+    --out "$RUN/mtpperf.json" --logs "$RUN/mtpperf"
 }
 
 indexshare_cmd() {
@@ -478,8 +507,11 @@ trace_cmd"
       run_stage stream 200 560 bash -c "$(declare -f stream_cmd); $(declare -p E2E CPU_ARGS RUN); stream_cmd"
       show stream ;;
     mtp)
-      run_stage mtp 150 "${GF_MTP_CAP_S:-420}" bash -c "$(declare -f mtp_cmd); $(declare -p E2E RUN); mtp_cmd"
+      run_stage mtp 150 "${GF_MTP_CAP_S:-510}" bash -c "$(declare -f mtp_cmd); $(declare -p E2E RUN); mtp_cmd"
       show mtp ;;
+    mtpperf)
+      run_stage mtpperf 200 560 bash -c "$(declare -f mtpperf_cmd); $(declare -p E2E CPU_ARGS RUN); mtpperf_cmd"
+      show mtpperf ;;
     pd)
       PD_LEFT=$(( BUDGET_S - $(elapsed) - RESERVE - 45 ))
       run_stage pd 240 560 bash -c "$(declare -f pd_cmd); $(declare -p RUN); pd_cmd $(( PD_LEFT < 560 ? PD_LEFT : 560 ))"

@@ -62,7 +62,9 @@ against the tags, the verified positions included), commits, and accepts
 1..N tokens at random; a running request is also finished or aborted
 between the mapping and the commit, and retracted. The LRU model check is
 the decode path's (the union's LRU is held to the reference by
-``tests/test_kernel_reference.py``); residency is off under speculation.
+``tests/test_kernel_reference.py``). With residency on, residents verify in
+their own rows (the reserve's pages mapped by ``Residency.cover_reserve``)
+and are demoted mid-run by admission or by growth short of rows.
 
 ``--verbose`` prints one JSON line of counters before the verdict line.
 """
@@ -219,7 +221,8 @@ class Sim:
                           abort_waiting=0, abort_staging=0, abort_running=0, abort_prefill=0,
                           retract=0, retract_oom=0, swap_checks=0, host_wait_max=0,
                           resident_checks=0, parked=0, transferred=0, resumed=0,
-                          abort_retracted=0, verify_steps=0, accepted=0, abort_in_verify=0)
+                          abort_retracted=0, verify_steps=0, accepted=0, abort_in_verify=0,
+                          resident_verify=0)
         self.was_resident = set()  # requests seen resident (reset their model on demotion)
 
     # ---------------------------------------------------------- bookkeeping
@@ -400,6 +403,8 @@ class Sim:
         locs = verify_locs(self.r2t, batch, committed, n)
         self.coord.verify.map_slots(rpi, [r.kv_allocated_len for r in batch], self.dev(committed),
                                     locs.to(self.device))
+        # (after map_slots: it may have demoted some)
+        self.stats["resident_verify"] += sum(map(self.coord.residency.holds, rpi))
         with self.forward():
             self.coord.wait_for_pending_backup()
             self.coord.num_real_reqs.fill_(len(batch))
@@ -774,8 +779,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.speculative > 1 and args.mode == "pd":
         ap.error("--speculative: PD decode with MTP is not supported yet")
-    if args.speculative > 1:
-        args.residency = "off"  # the coordinator keeps none resident under speculation
     sim = Sim(args.seed, residency=args.residency == "on", parking=args.parking == "on",
               pd=args.mode == "pd", device=args.device, top_k=args.top_k, hot=args.hot,
               draft_tokens=args.speculative)

@@ -8,7 +8,10 @@ import importlib.util
 import json
 import os
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
@@ -632,3 +635,103 @@ def test_stream_configs_set_the_streaming_switch(monkeypatch):
     _, env = e2e.server_cmd("/m", 1, "ours", [])
     assert "SGLANG_HISPARSE_STREAMING" not in env  # ours: the default, off
     assert e2e.CHECK_EXPECT["stream"] == e2e.CHECK_EXPECT["nostream"] == "exact"
+
+
+# --------------------------------------------------------------- MTP parts
+def _spec_request(ids, verify_ct, accept):
+    return {"output_ids": ids, "spec_verify_ct": verify_ct, "spec_accept_length": accept,
+            "logprobs": [], "top2": [], "requests": None}
+
+
+def test_spec_parity_compares_verify_counts_request_by_request(capsys):
+    e2e = _load("e2e_gpu", SCRIPTS / "e2e_gpu.py")
+    base = {"requests": [_spec_request([1, 2, 3, 4], 2, 2.0), _spec_request([5, 6], 2, 1.0)]}
+    same = {"requests": [_spec_request([1, 2, 3, 4], 2, 2.0), _spec_request([5, 7], 1, 2.0)]}
+    off = {"requests": [_spec_request([1, 2, 3, 4], 3, 1.33), _spec_request([5, 6], 2, 1.0)]}
+    p = e2e.spec_parity(base, same)
+    assert (p["requests"], p["identical_outputs"], p["verify_ct_equal"],
+            p["identical_but_verify_ct_differs"]) == (2, 1, 1, 0)  # the diverged one is not held
+    assert e2e.spec_parity(base, off)["identical_but_verify_ct_differs"] == 1
+    results = {"base": {"smoke": [base]}, "ours": {"smoke": [same]}, "nores": {"smoke": [off]}}
+    rows = e2e.summarize_spec(results, ["base", "ours", "nores"], ["smoke"])
+    assert [r.get("parity_ok") for r in rows] == [None, True, False]
+    out = capsys.readouterr().out
+    assert "spec smoke       ours     accept length 2.000, verify_ct equal 1/2" in out
+    assert out.rstrip().endswith("NO PARITY")
+    # Without MTP the servers put no spec fields in meta_info: nothing is judged.
+    plain = {"requests": [dict(_spec_request([1], None, None))]}
+    assert e2e.spec_parity(plain, plain)["requests"] == 0
+
+
+def test_mtp_configs_and_the_drain_workloads_server(monkeypatch):
+    e2e = _load("e2e_gpu", SCRIPTS / "e2e_gpu.py")
+    monkeypatch.delenv("SGLANG_HISPARSE_RESIDENCY", raising=False)
+    args, env = e2e.server_cmd("m", 1, "nograph", [], mtp=True, check=True)
+    assert "--disable-cuda-graph" in args and env[e2e.CHECK_ENV] == "1"
+    assert env[e2e.EXPERIMENTAL_MTP_ENV] == "1" and "SGLANG_HISPARSE_RESIDENCY" not in env
+    args, env = e2e.server_cmd("m", 1, "nores", [], extra_env=e2e.WORKLOAD_ENV["drain"])
+    assert env["SGLANG_HISPARSE_RESIDENCY"] == "0" and "--disable-cuda-graph" not in args
+    assert env["SGLANG_TEST_RETRACT"] == "1"
+    assert e2e.CHECK_EXPECT["nograph"] == e2e.CHECK_EXPECT["nores"] == "exact"
+    base_args, base_env = e2e.server_cmd("m", 1, "base", e2e.WORKLOADS["drain"][2],
+                                         extra_env=e2e.WORKLOAD_ENV["drain"])
+    assert base_args[base_args.index("--max-total-tokens") + 1] == "30000"
+    assert "--enable-hisparse" not in base_args and base_env["SGLANG_TEST_RETRACT"] == "1"
+
+
+@pytest.mark.parametrize("probe_gpu,ok", [(640, True), (4800, False)])
+def test_drain_reads_the_pools_from_the_probes_decode_lines(tmp_path, probe_gpu, ok, capsys):
+    """The drain workload against a stand-in /generate that writes the log
+    lines a server would: retractions while the drain runs, then the probe's
+    decode lines (the pools with the probe alone, or with a leaked hot buffer)."""
+    from test_pd_gpu_script import Endpoint, sse
+
+    e2e = _load("e2e_gpu", SCRIPTS / "e2e_gpu.py")
+    log = tmp_path / "server.log"
+    log.write_text("launch\n")
+    aborted = set()
+
+    def answer(body):
+        if "input_ids" not in body:  # /abort_request
+            aborted.add(body["rid"])
+            return
+        n = body["sampling_params"]["max_new_tokens"]
+        probe = len(body["input_ids"]) == e2e.PROBE_LEN
+        with log.open("a") as f:
+            f.write(f"Decode batch, #running-req: 1, #gpu token: {probe_gpu}, #cpu token: 640\n"
+                    if probe else "KV cache pool is full. Testing retraction. #retracted_reqs: 1\n")
+        for k in range(1, n + 1):
+            stop = body.get("rid") in aborted
+            meta = ({"finish_reason": {"type": "abort"}} if stop else
+                    {"spec_verify_ct": n // 2, "spec_accept_length": 2.0} if k == n else {})
+            yield sse({"output_ids": list(range(k)), "meta_info": meta})
+            if stop:
+                break
+            time.sleep(0.02)
+        yield "data: [DONE]"
+
+    ep = Endpoint(answer)
+    try:
+        res = e2e.run_drain(ep.url, log, max_new=12)
+    finally:
+        ep.close()
+    v = res["drain"]
+    assert v["completed"] == v["expected"] == 4 and v["probe_ok"]
+    assert v["aborted"] == e2e.DRAIN_ABORTS and aborted == {f"drain-abort-{k}" for k in range(4)}
+    assert all(x["finish_reason"] == {"type": "abort"} for x in v["aborts"])
+    assert v["retraction_events"] == 8 and v["probe_pools"]["#gpu token"] == probe_gpu
+    assert v["pools_back"] is ok and v["ok"] is ok
+    assert [q["spec_verify_ct"] for q in res["requests"]] == [6] * 4
+    e2e.summarize_drain({"ours": {"drain": [res]}}, ["ours"])
+    assert capsys.readouterr().out.rstrip().endswith("OK" if ok else "FAILED")
+
+
+def test_mtp_targets_from_the_summary(capsys):
+    e2e = _load("e2e_gpu", SCRIPTS / "e2e_gpu.py")
+    summary = [{"workload": "lone", "config": "ours", "tpot_vs_base": 1.07, "runs": 2},
+               {"workload": "capacity", "config": "ours", "tok_s_vs_base": 2.4, "runs": 2},
+               {"workload": "lone", "config": "base", "tpot_vs_base": 1.0, "runs": 2}]
+    rows = e2e.summarize_mtp_targets(summary)
+    assert [(r["workload"], r["met"]) for r in rows] == [("lone", False), ("capacity", True)]
+    out = capsys.readouterr().out
+    assert "mtp target lone      ours tpot_vs_base 1.070 (target <= 1.05: NOT met; 2 run(s))" in out

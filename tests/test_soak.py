@@ -69,17 +69,19 @@ def test_soak_speculative_verify_steps(capsys, draft_tokens, seed):
     # MTP/EAGLE: reserve through 0.5.13's prepare_for_decode in our hook,
     # verify slots, union swap-in of every row checked against the tags,
     # write-through, random acceptance; finish/abort between the mapping and
-    # the commit, retraction, parking - and every pool back at its start.
+    # the commit, retraction, parking, residents and their demotions - and
+    # every pool back at its start.
     soak = _load()
     rc = soak.main(["--steps", "300", "--seed", str(seed), "--speculative", str(draft_tokens),
                     "--verbose"])
     out = capsys.readouterr().out.strip().splitlines()
     assert rc == 0, "\n".join(out)
     assert out[-1].startswith(f"soak seed={seed} steps=300 mode=colocated device=cpu "
-                              f"residency=off parking=on speculative={draft_tokens} OK")
+                              f"residency=on parking=on speculative={draft_tokens} OK")
     _, counts = _counters(out[-2])
+    # Residents verify in their own rows and are demoted mid-run.
     assert not _never_zero(counts, ["verify_steps", "abort_in_verify", "retract", "parked",
-                                    "misses"]), counts
+                                    "misses", "resident_verify", "demotions"]), counts
     assert counts["accepted"] > counts["verify_steps"]  # more than one token a step
 
 

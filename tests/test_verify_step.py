@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from dataplane_fixtures import (
-    decode_batch, get_tag, put_tag, speculative_server_args, t64, verify_locs,
+    PS, decode_batch, get_tag, put_tag, speculative_server_args, t64, verify_locs,
 )
+from sglang_hisparse.engine.state import ReqState
 from test_coordinator import TOPK, Env
 
 N = 4  # draft tokens: 3 steps, top-k 1
@@ -62,6 +63,12 @@ def reserved_verify_locs(env, reqs, committed):
     return verify_locs(env.r2t, reqs, committed, N)
 
 
+def map_next_step(env, reqs, committed):
+    """A step's reserve and ``map_slots``, its forward not run yet."""
+    env.coord.verify.map_slots([r.req_pool_idx for r in reqs], [r.kv_allocated_len for r in reqs],
+                               t64(*committed), reserved_verify_locs(env, reqs, committed))
+
+
 def check_verify_reads(env, req_pool_indices, committed, gen):
     """The union swap-in on random verify rows (each selects older positions
     and its own verified ones): every row reads the tags of what it selected."""
@@ -94,13 +101,20 @@ def verify_step(env, reqs, committed, gen, accept=None):
 
     check_verify_reads(env, t64(*rpi), committed, gen)
 
+    resident = [coord.residency.holds(r.req_pool_idx) for r in reqs]
     coord.verify.commit()
-    assert int(env.alloc.full_to_hisparse_device_index_mapping[locs.reshape(-1)].abs().sum()) == 0
+    mapping = env.alloc.full_to_hisparse_device_index_mapping
     new = []
     for b, (r, s) in enumerate(zip(reqs, committed)):
         kept = accept[b] if accept else gen.randint(1, n)  # accept_length + 1
-        host = coord.req_to_host_pool[r.req_pool_idx, :s + kept]
-        assert get_tag(env.host.kv_buffer[1], host) == list(range(s + kept))
+        if resident[b]:
+            # Its own rows: still mapped to what the forward wrote, nothing on host.
+            assert bool((mapping[locs[b]] == rows.view(-1, n)[b]).all())
+            assert int(coord.req_to_host_pool_allocated_len[r.req_pool_idx]) == 0
+        else:
+            assert int(mapping[locs[b]].abs().sum()) == 0
+            host = coord.req_to_host_pool[r.req_pool_idx, :s + kept]
+            assert get_tag(env.host.kv_buffer[1], host) == list(range(s + kept))
         r.kv_committed_len = s + kept
         new.append(s + kept)
     return new
@@ -154,9 +168,7 @@ def test_finish_or_abort_mid_step_returns_everything(when):
     a, b = env.staged("a", 200), env.staged("b", 90)
     env.coord.collect_ready_reqs()
     committed = verify_step(env, [a, b], [200, 90], gen)
-    locs = reserved_verify_locs(env, (a, b), committed)
-    env.coord.verify.map_slots([a.req_pool_idx, b.req_pool_idx],
-                               [a.kv_allocated_len, b.kv_allocated_len], t64(*committed), locs)
+    map_next_step(env, (a, b), committed)
     if when == "after_commit":
         env.coord.verify.commit()
     with speculative_server_args():
@@ -232,4 +244,130 @@ def test_a_request_without_host_rows_is_not_written_back(monkeypatch):
     with speculative_server_args():
         env.finish(a)
         env.finish(b)
+    assert env.drained()
+
+
+# ------------------------------------------------------------- residency
+# A resident's verify positions are its own rows (Residency.cover_reserve):
+# the reserve's pages get physical pages, the forward writes there, the
+# swap-in translates, the commit leaves it alone; demotion (admission or
+# growth short of rows) hands it to the HOT path mid-run.
+
+def resident_verify_env(phys):
+    return Env(phys=phys, ratio=4, residency=True, draft_tokens=N, exactness_check=True)
+
+
+def run_verify_steps(env, reqs, committed, gen, steps, first=0):
+    for step in range(first, first + steps):
+        accept = [(step + b) % N + 1 for b in range(len(reqs))]  # every length, every request
+        committed = verify_step(env, reqs, committed, gen, accept)
+    return committed
+
+
+def assert_exact(env, entries):
+    exact = env.coord.exactness.read()
+    assert exact["exact_checked"] == entries
+    assert exact["exact_mismatches"] == 0, env.coord.exactness.first_mismatch
+
+
+def test_residents_verify_in_their_own_rows_then_admission_demotes_one():
+    env = resident_verify_env(phys=1280)
+    gen = random.Random(3)
+    reqs = [env.staged("long", 300), env.staged("short", 40), env.staged("edge", 126)]
+    assert env.coord.collect_ready_reqs() == reqs
+    assert all(env.coord.state_of(r).is_resident for r in reqs)
+    committed = run_verify_steps(env, reqs, [300, 40, 126], gen, 8)
+    assert env.coord.host_bytes_written == 0 and env.coord.demotions == 0
+    assert env.host.available_size() == env.start["host"]
+    # Rows cover each reserve whole: page_up(kv_allocated_len).
+    for r in reqs:
+        assert env.coord.requests.record(r.req_pool_idx).resident_rows == \
+            -(-r.kv_allocated_len // PS) * PS
+    # A 600-token prompt needs more rows than are free: the largest resident
+    # is demoted (its KV up to kv_allocated_len to host) and verifies HOT.
+    late = env.staged("late", 600)
+    assert env.coord.demotions == 1 and env.coord.state_of(reqs[0]) is ReqState.HOT
+    env.coord.collect_ready_reqs()
+    reqs.append(late)
+    committed = run_verify_steps(env, reqs, committed + [600], gen, 8, first=8)
+    assert env.coord.state_of(reqs[0]) is ReqState.HOT
+    assert_exact(env, 8 * (3 + 4) * N * TOPK * env.pool.layer_num)
+    with speculative_server_args():
+        for r in reqs:
+            env.finish(r)
+    assert env.drained()
+
+
+def test_resident_growth_short_of_rows_demotes_inside_the_step():
+    """No free rows for the next reserve's page: map_slots demotes the
+    largest resident, which is mapped as HOT in the same step."""
+    env = resident_verify_env(phys=768)
+    gen = random.Random(5)
+    reqs = [env.staged("a", 300), env.staged("b", 200), env.staged("c", 100)]
+    env.coord.collect_ready_reqs()
+    committed = run_verify_steps(env, reqs, [300, 200, 100], gen, 12)
+    assert env.coord.demotions >= 1 and env.coord.state_of(reqs[0]) is ReqState.HOT
+    assert env.coord.accounting_drifts == 0
+    assert_exact(env, 12 * 3 * N * TOPK * env.pool.layer_num)
+    with speculative_server_args():
+        for r in reqs:
+            env.finish(r)
+    assert env.drained()
+
+
+def retract(env, req):
+    """0.5.13 ``release_req`` (what ``retract_decode`` runs per request)."""
+    from sglang.srt.managers.schedule_batch import release_req
+    from sglang.srt.server_args import get_global_server_args
+
+    from dataplane_fixtures import chunk_cache
+
+    release_req(req=req, remaing_req_count=0, server_args=get_global_server_args(),
+                req_to_token_pool=env.r2t, token_to_kv_pool_allocator=env.alloc,
+                tree_cache=chunk_cache(env.r2t, env.alloc), hisparse_coordinator=env.coord)
+
+
+@pytest.mark.parametrize("how", ["finish", "retract"])
+@pytest.mark.parametrize("when", ["after_map", "after_commit"])
+def test_a_resident_released_mid_step_returns_everything(how, when):
+    """Finish (or abort: the same release) or retraction of a resident and of
+    a demoted request between map_slots and commit, or after the commit."""
+    env = resident_verify_env(phys=1024)
+    gen = random.Random(11)
+    a, b = env.staged("a", 200), env.staged("b", 90)
+    env.coord.collect_ready_reqs()
+    committed = run_verify_steps(env, [a, b], [200, 90], gen, 2)
+    env.coord.residency.demote(a.req_pool_idx, with_new_token=False)
+    committed = run_verify_steps(env, [a, b], committed, gen, 1, first=2)
+    assert env.coord.state_of(a) is ReqState.HOT and env.coord.state_of(b).is_resident
+    map_next_step(env, (a, b), committed)
+    if when == "after_commit":
+        env.coord.verify.commit()
+    with speculative_server_args():
+        for r in (b, a):
+            retract(env, r) if how == "retract" else env.finish(r)
+        if when == "after_map":
+            env.coord.verify.commit()  # nothing left to write back
+    assert env.drained()
+
+
+def test_cover_reserve_maps_every_page_of_a_long_reserve_whole():
+    """A reserve several pages past the resident's rows: each logical page
+    gets a physical page of its own, offset for offset."""
+    env = resident_verify_env(phys=1024)
+    a = env.staged("a", 60)
+    env.coord.collect_ready_reqs()
+    reserve(env, a, 60 + 200)
+    env.coord.residency.cover_reserve([a.req_pool_idx], [a.kv_allocated_len])
+    assert env.coord.requests.record(a.req_pool_idx).resident_rows == 320
+    logical = env.r2t.req_to_token[a.req_pool_idx, :260].to(torch.int64)
+    # the last page past kv_allocated_len too (its logical slots follow position 259's)
+    logical = torch.cat([logical, logical[-1] + torch.arange(1, 61)])
+    rows = env.alloc.translate_to_physical(logical)
+    assert bool((rows > 0).all()) and rows.unique().numel() == 320
+    pages = rows.view(-1, PS)
+    assert bool((pages - pages[:, :1] == torch.arange(PS)).all())  # whole physical pages
+    assert env.alloc.physical_available_size() == 1024 - 320
+    with speculative_server_args():
+        env.finish(a)
     assert env.drained()

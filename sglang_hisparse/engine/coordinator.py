@@ -220,10 +220,6 @@ class Coordinator:
         self.verify = VerifyStep(self, self.draft_tokens) if self.draft_tokens > 1 else None
         if residency is None:
             residency = os.environ.get(RESIDENCY_ENV, "1") != "0"
-        if self.verify is not None:
-            # A resident's verify tokens would need its own rows mapped
-            # ahead (residency.grow runs only on the decode path).
-            residency = False
         if parking is None:
             parking = os.environ.get(PARKING_ENV, "1") != "0"
         # C4 rows are compressed per page of tokens: residency and parking

@@ -42,8 +42,18 @@ the request is HOT, and a finish, abort or retraction in between releases
 the verify slots with the rest (they lie inside ``kv_allocated_len``, whose
 mapping ``request_finished`` clears).
 
-Requests in any other state are left alone (a resident's verify tokens are
-its own rows: residency is off under speculation until that path lands).
+A resident request (:mod:`.policies.residency`) needs none of this: its
+verify positions are its own rows. ``map_slots`` first has
+``Residency.cover_reserve`` give every logical page of its spec reserve
+(up to ``kv_allocated_len``) a physical page, mapped for good; the forward
+writes the draft tokens' KV there, the swap-in's resident path translates
+every selected position through the same mapping, and ``commit`` leaves it
+alone (nothing goes to host while resident). When rows run short there,
+residents are demoted as on the decode path (their KV up to
+``kv_allocated_len`` copied to host: positions past the committed length
+are not yet written or rejected, and are written again by the step that
+commits them), and a demoted request is mapped below as HOT in the same
+step. Requests in any other state (staging, parked) are not in the batch.
 """
 
 from __future__ import annotations
@@ -92,6 +102,11 @@ class VerifyStep:
             c.exactness.arm()  # graph capture is over (decode arms it in map_last_loc_to_buffer)
         c.streams.wait_for_pending_backup()  # the last commit still reads these slots
         self._step = None
+        if c.residency.count:
+            # Residents read their own rows: the reserve's pages get rows
+            # (demoting residents when rows run short; a demoted one is HOT
+            # below, its KV on host).
+            c.residency.cover_reserve(req_pool_indices, allocated_lens)
         picks = self._hot_rows(req_pool_indices)
         width = c.req_to_host_pool.size(1) - c.page_size
         full = c.padded_buffer_size

@@ -14,7 +14,11 @@ the physical rows a resident holds (whole pages).
   resident, each fresh page when a token starts one (:meth:`grow`). The
   decode steps in between launch nothing for it. The mapping ahead is taken
   back when the request stops being resident (:meth:`unmap_page_tail`), so
-  unused slots never read as mapped.
+  unused slots never read as mapped. Under speculation (MTP/EAGLE) the
+  verify step maps every page of the spec reserve, up to
+  ``kv_allocated_len``, before its forward (:meth:`cover_reserve`): the
+  draft tokens' KV is written into the resident's own rows and read
+  through the same mapping, whatever is accepted.
 * When rows run short, residents are *demoted* (:meth:`demote`): their rows
   are copied to host in stream order and they get a hot buffer, exactly as
   after staging. The allocator asks for this through :meth:`reclaim_rows`
@@ -139,54 +143,104 @@ class Residency:
         return freed
 
     def grow(self, seq_list, idx_list, out_cache_loc) -> None:
-        """Map each fresh page a resident's new token starts (its other tokens
-        are mapped already). Demote residents when the pool (less what others
-        are owed) cannot supply the pages."""
+        """Decode: map each fresh page a resident's new token starts (its
+        other tokens are mapped already)."""
+        ps = self.coord.page_size
+        batch = {idx: i for i, idx in enumerate(idx_list) if self.holds(idx)}
+        pages = {idx: 1 for idx in batch if (seq_list[batch[idx]] - 1) % ps == 0}
+
+        def first_slots(idxs):
+            # The new token is its logical page's first slot.
+            sel = torch.tensor([batch[idx] for idx in idxs], dtype=torch.int64,
+                               device=out_cache_loc.device)
+            return out_cache_loc[sel].to(torch.int64)
+
+        # A demoted request of this step: its newest position has no row yet.
+        self._map_new_pages(pages, first_slots, with_new_token=batch)
+
+    def cover_reserve(self, idx_list, allocated_lens) -> None:
+        """Speculative verify: map every logical page a resident's spec reserve
+        took (up to ``kv_allocated_len``, which covers every position the
+        step writes) to a fresh physical page. The verify forward then writes
+        its draft tokens' KV into the request's own rows and the swap-in
+        reads them through the mapping like any other position: nothing is
+        remapped or written back after the step, whatever was accepted, and
+        a rejected position's row is written again by the step that commits
+        it. The CPU knows ``kv_allocated_len`` but not the committed length
+        (the overlap scheduler), which is all this needs."""
+        ps, get = self.coord.page_size, self.coord.requests.record
+        pages, held = {}, {}
+        for idx, n in zip(idx_list, allocated_lens):
+            rec = get(idx)
+            if rec is None or not rec.state.is_resident:
+                continue
+            missing = (self.coord._page_up(n) - rec.resident_rows) // ps
+            if missing > 0:
+                pages[idx], held[idx] = missing, rec.resident_rows // ps
+        if not pages:
+            return
+        r2t = self.coord.req_to_token_pool.req_to_token
+
+        def first_slots(idxs):
+            # Logical pages are whole: a page's first slot names it.
+            req = [idx for idx in idxs for _ in range(pages[idx])]
+            pos = [(held[idx] + k) * ps for idx in idxs for k in range(pages[idx])]
+            return r2t[torch.tensor(req, dtype=torch.int64, device=r2t.device),
+                       torch.tensor(pos, dtype=torch.int64, device=r2t.device)].to(torch.int64)
+
+        # Every position up to kv_allocated_len is mapped or not yet written:
+        # a demoted request copies what it has.
+        self._map_new_pages(pages, first_slots, with_new_token=())
+
+    def _map_new_pages(self, pages, first_slots, with_new_token) -> None:
+        """Give each resident ``pages[idx]`` fresh physical pages behind the
+        logical pages ``first_slots(idxs)`` names (their first slots, in
+        ``idxs`` order, ``pages[idx]`` each). Demote residents when the pool
+        (less what others are owed) cannot supply them; a demoted request
+        needs none (its hot buffer serves it)."""
         coord = self.coord
         ps, P = coord.page_size, coord.padded_buffer_size
         records = coord.requests
         alloc = coord.token_to_kv_pool_allocator.hisparse_attn_allocator
-        batch = {idx: i for i, idx in enumerate(idx_list) if self.holds(idx)}
-        new_page = [idx for idx in batch if (seq_list[batch[idx]] - 1) % ps == 0]
+        pages = dict(pages)
 
         def short_of_rows() -> bool:
             # A resident below a hot buffer's size grows into rows held back for it.
-            need = len(new_page) * ps
-            own = sum(min(ps, max(0, P - records.record(idx).resident_rows)) for idx in new_page)
+            need = sum(pages.values()) * ps
+            own = sum(min(k * ps, max(0, P - records.record(idx).resident_rows))
+                      for idx, k in pages.items())
             return need > alloc.available_size() + own or need > alloc.raw_available_size()
 
-        while new_page and short_of_rows():
+        while pages and short_of_rows():
             victim = self._largest()
             if victim is None:
                 # None frees rows, but one at a hot buffer's size stops needing
-                # any once demoted (its next token goes to the newest slot).
-                full = [idx for idx in new_page if records.record(idx).resident_rows >= P]
+                # any once demoted (its next tokens go to the newest-token page).
+                full = [idx for idx in pages if records.record(idx).resident_rows >= P]
                 victim = full[0] if full else None
             if victim is None:
-                for idx in new_page:
+                for idx in pages:
                     coord._drift(records.record(idx).req,
                                  "no rows for resident growth and nothing to demote")
                 return
-            self.demote(victim, with_new_token=victim in batch)
-            batch.pop(victim, None)
-            new_page = [idx for idx in new_page if idx != victim]
-        if not new_page:
+            self.demote(victim, with_new_token=victim in with_new_token)
+            pages.pop(victim, None)
+        if not pages:
             return
-        mapping = coord._mapping()
-        rows = alloc.alloc(len(new_page) * ps)
+        idxs = list(pages)
+        total = sum(pages.values())
+        rows = alloc.alloc(total * ps)
         if rows is None:
-            for idx in new_page:
+            for idx in idxs:
                 coord._drift(records.record(idx).req,
                              "resident growth found fewer free rows than counted")
             return
-        sel = torch.tensor([batch[idx] for idx in new_page], dtype=torch.int64,
-                           device=out_cache_loc.device)
-        # The new token is its logical page's first slot: map the whole page.
-        first = out_cache_loc[sel].to(torch.int64).to(mapping.device)
+        mapping = coord._mapping()
+        first = first_slots(idxs).to(mapping.device)
         offsets = torch.arange(ps, dtype=torch.int64, device=mapping.device)
         mapping[(first[:, None] + offsets).reshape(-1)] = rows.to(mapping.device)
-        for idx in new_page:
-            records.record(idx).resident_rows += ps
+        for idx in idxs:
+            records.record(idx).resident_rows += pages[idx] * ps
 
     # ----------------------------------------------------------- demotion
     def demote(self, idx: int, with_new_token: bool) -> int:
