@@ -149,9 +149,10 @@ class Sim:
                  hot: int = 128, top_k: int = 16, layers: int = 2, max_reqs: int = 12,
                  max_ctx: int = 1400, residency: bool = True, parking: bool = True,
                  pd: bool = False, device: str = "cpu", draft_tokens: int = 1):
-        from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool
+        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
         from sglang_hisparse.pools.allocator import HiSparseDualAllocator
+        from sglang_hisparse.pools.device_dsa import HiSparseDSADevicePool
         from sglang_hisparse.adapter.model_runner import HiSparseCoordinator
 
         self.rng = random.Random(seed)
@@ -160,10 +161,13 @@ class Sim:
         self.max_ctx = max_ctx
         self.device = device
         phys = phys_pages * page_size
-        self.pool = DSATokenToKVPool(
-            size=phys, page_size=page_size, kv_lora_rank=512, dtype=torch.bfloat16,
+        # The server's device pool: latent rows for the physical space, the
+        # indexer's keys for the logical one (a PD retraction saves them by
+        # logical page).
+        self.pool = HiSparseDSADevicePool(
+            phys, page_size=page_size, kv_lora_rank=512, dtype=torch.bfloat16,
             qk_rope_head_dim=64, layer_num=layers, device=device, index_head_dim=128,
-            enable_memory_saver=False, kv_cache_dim=576,
+            enable_memory_saver=False, kv_cache_dim=576, host_to_device_ratio=ratio,
         )
         self.r2t = ReqToTokenPool(size=max_reqs, max_context_len=max_ctx, device=device,
                                   enable_memory_saver=False)
