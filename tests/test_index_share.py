@@ -102,13 +102,25 @@ def test_glm52_like_layout():
     ({"index_topk_freq": 0}, "index_topk_freq"),
 ])
 def test_bad_index_sharing_names_the_field_before_weights(tmp_path, fields, field):
+    """The check before weights uses the installed release's rules: a
+    pattern shorter than the model fails on 0.5.13's model code (refused
+    by name) and is valid on 0.5.15.post1's (its tail layers anchor)."""
+    from sglang_hisparse.adapter import releases
     from sglang_hisparse.adapter.args import index_share_problems
 
     model_config = _model_config(tmp_path, **fields)
     with pytest.raises(IndexShareConfigError, match=field):
         roles_from_config(model_config.hf_text_config, 4)
-    (problem,) = index_share_problems(model_config)
-    assert field in problem
+    rules = releases.current.index_share_rules()
+    try:
+        roles_from_config(model_config.hf_text_config, 4, rules)
+    except IndexShareConfigError:
+        (problem,) = index_share_problems(model_config)
+        assert field in problem
+    else:
+        # only the short pattern is a 0.5.15 edge (test_roles_follow_each_release_line)
+        assert fields == {"index_topk_pattern": "FSS"}
+        assert index_share_problems(model_config) == []
 
 
 def _model_code_pattern_0_5_15(config, n):
