@@ -12,6 +12,13 @@ install (``impl``) or ``hash only`` with what relies on it (DEPENDS), why
 ``--verbose`` adds the full text, each REPLACE's behaviour lines, the tests
 that cover the entry and where upstream did it.
 
+On a release that is not pinned (``--sglang-root`` of a newer wheel) every
+failing entry also gets a ``todo`` line: what a person does about it, in
+the words of the ``scripts/rebase.py`` step that settles it (drop, re-read
+and ``--accept``, re-anchor or ``--patch``, find and ``--moved``), and the
+listing ends with the release's torch / sglang-kernel requirement and the
+count of each kind of work, which is the whole of a pin upgrade.
+
 On the running install it then reports the PD transfer engine (Mooncake):
 the installed build and version, whether it imports (the loader's error if
 not) and which transports it can use (:mod:`sglang_hisparse.transfer_engine`).
@@ -33,6 +40,7 @@ import textwrap
 from pathlib import Path
 
 from sglang_hisparse import SUPPORTED_SGLANG_VERSIONS, __version__
+from sglang_hisparse import pins
 from sglang_hisparse.arg_rules import dsa_row_bytes
 from sglang_hisparse.manifest import DEPENDS, HOOKS, Entry, Kind, entries_of
 from sglang_hisparse.pinned_source import installed_sglang_root, sglang_version
@@ -57,6 +65,73 @@ def _wrapped(label: str, text: str) -> list[str]:
     lead = f"{_INDENT}{label:<10}"
     return textwrap.wrap(text, width=100, initial_indent=lead,
                          subsequent_indent=" " * len(lead)) or [lead]
+
+
+# ------------------------------------------------ an unsupported release
+# What a person does about one failing entry, by what failed. The verbs are
+# scripts/rebase.py's (it settles each entry the same way and, once none is
+# left, writes the pin), so a doctor listing is the rebase's to-do list.
+TODO_KINDS = {
+    "drop": "entries native in the release (nothing to do: rebase.py drops them)",
+    "hook": "hooks to re-read against the changed target, then --accept",
+    "patch": "source patches to re-anchor (rebase.py --old-root does it where the hunks "
+             "still match) or port by hand (--patch)",
+    "depends": "dependencies whose relying code to re-read, then --accept",
+    "find": "targets gone from their module: find where they went, --moved (or drop ours)",
+}
+
+
+def todo(entry: Entry, detail: str, release: str) -> tuple[str, str]:
+    """(kind, line) of what a person does about ``entry`` failing with
+    ``detail`` on ``release`` (kind: a key of TODO_KINDS)."""
+    if entry.native_in and pins.version_key(entry.native_in) <= pins.version_key(release):
+        return "drop", f"none: native in {entry.native_in}, rebase.py drops the entry"
+    ours = (", ".join(who.removeprefix("sglang_hisparse.") for who in entry.relied_on_by)
+            if entry.kind is Kind.DEPENDS else entry.impl or "our patch")
+    if detail.startswith("target not found"):
+        return "find", (f"find where {entry.target.rsplit('.', 1)[-1]} went (rebase.py lists "
+                        f"moved?/renamed? candidates), re-read {ours} against it, then "
+                        f"--moved {entry.target}=NEW")
+    at = re.search(r"\((\S+:\d+)\)$", detail)
+    place = at.group(1) if at else "the new source"
+    if entry.kind is Kind.SOURCE_PATCH:
+        return "patch", (f"re-anchor the diff on {place} (rebase.py --old-root: the pinned "
+                         f"release's install); if it does not, port it by hand and name it "
+                         f"with --patch {entry.target}=DIFF")
+    if entry.kind is Kind.DEPENDS:
+        return "depends", f"re-read {ours} against {place}, then --accept {entry.target}"
+    return "hook", (f"re-read {ours} against {place} (code that differs per release goes "
+                    f"into adapter/releases/), then --accept {entry.target}")
+
+
+def release_requirements(root: Path) -> str:
+    """The torch and sglang-kernel pins of the sglang distribution at
+    ``root`` (what a node, and the GPU loop, must run it with)."""
+    import importlib.metadata
+
+    for dist in importlib.metadata.distributions(path=[str(root)]):
+        if (dist.metadata["Name"] or "").lower() == "sglang":
+            wanted = [req.split(";")[0].strip() for req in dist.requires or ()
+                      if re.match(r"(torch|sglang-kernel|sgl-kernel)\s*[=<>~!]", req)]
+            return ", ".join(wanted) or "no torch / sglang-kernel pin"
+    return "unknown (no sglang metadata)"
+
+
+def todo_summary(release: str, root: Path, ref: str, todos: list[str]) -> list[str]:
+    """The closing lines on an unsupported release: what it runs with and
+    the count of each kind of work a pin upgrade from ``ref`` takes."""
+    person = [kind for kind in todos if kind != "drop"]
+    lines = [f"\nto support sglang {release} (rebased from the {ref} pin):",
+             f"  requires  {release_requirements(root)}"]
+    for kind, what in TODO_KINDS.items():
+        if todos.count(kind):
+            lines.append(f"  {todos.count(kind):>4}  {what}")
+    lines.append(
+        f"  then      scripts/rebase.py {root} --old-root <{ref} install> --write "
+        f"[--accept/--moved/--patch ...] writes patches/sglang-{release}/ once none of these "
+        f"{len(person)} entries is left to a person; add .ci/constraints-sglang-{release}.txt "
+        "and run the tests on it (DEVELOPERS.md: A pin upgrade)")
+    return lines
 
 
 def entry_lines(entry: Entry, ok: bool, detail: str, version: str,
@@ -127,6 +202,7 @@ def run_doctor(root: Path | None, out=sys.stdout, verbose: bool = False) -> int:
         file=out,
     )
     failures = {"hooks": 0, "dependencies": 0}
+    todos: list[str] = []  # on an unsupported release: the kind of each entry's work
     # Only the entries whose target the compared release has (``since``/``until``).
     hooks, depends = entries_of(ref, HOOKS), entries_of(ref, DEPENDS)
     for title, key, entries in (
@@ -138,7 +214,12 @@ def run_doctor(root: Path | None, out=sys.stdout, verbose: bool = False) -> int:
         for entry in entries:
             check = check_entry(entry, ref, root if foreign else None, build=not foreign)
             failures[key] += not check.ok
-            for line in entry_lines(entry, check.ok, check.detail, ref, verbose, check.where):
+            lines = entry_lines(entry, check.ok, check.detail, ref, verbose, check.where)
+            if not supported and not check.ok:
+                kind, line = todo(entry, check.detail, version)
+                todos.append(kind)
+                lines.insert(2, f"{_INDENT}{'todo':<10}{line}")
+            for line in lines:
                 print(line, file=out)
     bad = sum(failures.values())
     print(
@@ -147,6 +228,9 @@ def run_doctor(root: Path | None, out=sys.stdout, verbose: bool = False) -> int:
         f"{len(depends) - failures['dependencies']} of {len(depends)} dependencies)",
         file=out,
     )
+    if not supported:
+        for line in todo_summary(version, root, ref, todos):
+            print(line, file=out)
     if not foreign:
         # This node's PD transport. Informational: a colocated server needs no
         # transfer engine, so it does not change the exit status.

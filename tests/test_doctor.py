@@ -11,7 +11,7 @@ import pytest
 
 from conftest import REPO
 from sglang_hisparse.pinned_source import sglang_version
-from sglang_hisparse.manifest import HOOKS, entries_of
+from sglang_hisparse.manifest import HOOKS, Kind, entries_of
 
 
 def _doctor(*args, timeout=300):
@@ -61,10 +61,51 @@ def test_doctor_lists_what_no_longer_matches_on_0_5_15(sglang_0_5_15):
         "sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend.forward_decode"
         in out
     )
-    # Every failing entry is followed by one line that says why.
+    # Every failing entry is followed by one line that says why, then one
+    # that says what a person does about it (the rebase step that settles it).
     lines = out.splitlines()
     fails = [i for i, line in enumerate(lines) if line.lstrip().startswith("FAIL")]
     assert fails and all(lines[i + 1].lstrip().startswith("->") for i in fails)
+    assert all(lines[i + 2].lstrip().startswith("todo") for i in fails)
+    forward_decode = lines.index(next(line for line in lines if line.endswith(
+        "DeepseekSparseAttnBackend.forward_decode")))
+    assert lines[forward_decode + 2].split() == [
+        "todo", "re-read", "adapter.model_runner:HiSparseCoordinator.swap_in_selected_pages",
+        "against", lines[forward_decode + 1].rsplit("(", 1)[1].rstrip(")") + ",", "then",
+        "--accept", "sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend.forward_decode"]
+    # The listing closes with what the release runs with and the work by kind,
+    # which adds up to the failures.
+    summary = out[out.index("to support sglang 0.5.15 (rebased from the "):]
+    assert "requires  sglang-kernel==0.4.4, torch==2.11.0" in summary
+    counts = [int(line.split()[0]) for line in summary.splitlines()[2:]
+              if line.split() and line.split()[0].isdigit()]
+    assert sum(counts) == len(fails)
+    assert "scripts/rebase.py" in summary and "--write" in summary
+
+
+def test_todo_says_what_settles_each_kind_of_failure():
+    from sglang_hisparse.doctor import todo
+    from sglang_hisparse.manifest import ENTRIES
+
+    def entry(kind, native_in=None):
+        return next(e for e in ENTRIES if e.kind is kind
+                    and (native_in is None) == (e.native_in is None))
+
+    patch, hook = entry(Kind.SOURCE_PATCH), entry(Kind.REPLACE)
+    depends, native = entry(Kind.DEPENDS), next(e for e in ENTRIES if e.native_in)
+    changed = "source changed: sha256 aaaa != pinned bbbb (x.py:12)"
+    assert todo(patch, changed, "9.9.9")[0] == "patch"
+    assert "--patch " + patch.target + "=DIFF" in todo(patch, changed, "9.9.9")[1]
+    assert todo(hook, changed, "9.9.9") == ("hook", (
+        f"re-read {hook.impl} against x.py:12 (code that differs per release goes into "
+        f"adapter/releases/), then --accept {hook.target}"))
+    assert todo(depends, changed, "9.9.9")[0] == "depends"
+    gone = "target not found (no module file for x under /r)"
+    assert todo(depends, gone, "9.9.9")[0] == "find"
+    assert f"--moved {depends.target}=NEW" in todo(depends, gone, "9.9.9")[1]
+    # Native in the release: nothing to do; before it: the entry's own work.
+    assert todo(native, changed, native.native_in)[0] == "drop"
+    assert todo(native, changed, "0.5.14")[0] != "drop"
 
 
 # ------------------------------------------------------------ --kernels
