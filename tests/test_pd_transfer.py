@@ -136,7 +136,10 @@ class Peer:
                 self.lines.put(json.loads(line[5:]))
         self.lines.put(None)  # exited
 
-    def expect(self, timeout=60) -> dict:
+    # The first answer comes after SGLang's imports, which take 20-30 s on
+    # an idle 2-core machine and over a minute on a loaded one (a 60 s wait
+    # failed there while the other xdist worker ran the soak).
+    def expect(self, timeout=240) -> dict:
         try:
             msg = self.lines.get(timeout=timeout)
         except queue.Empty:
