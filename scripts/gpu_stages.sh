@@ -156,8 +156,9 @@
 #             tilelang + libz3 come from .bundle/dsv4.tar.xz via
 #             scripts/dsv4_env.sh (unpacked once into /tmp/dsv4). Configs
 #             GF_DSV4_CONFIGS (base,ours: ours = our HiSparse C4 pools with
-#             --check), workloads GF_DSV4_WORKLOADS (smoke,concurrent; also
-#             capacity: 16 x 16000 x 128 out at --max-total-tokens 40000),
+#             --check), workloads GF_DSV4_WORKLOADS (smoke; also concurrent:
+#             16 x 9000, and capacity: 16 x 16000 x 128 out at
+#             --max-total-tokens 40000, each in a command of its own),
 #             --hisparse-config GF_DSV4_HS ({"top_k": 512,
 #             "device_buffer_size": 1024, "host_to_device_ratio": 2}: top-k and
 #             hot buffer in C4 rows, 4 tokens each, so 1024 rows hold 4096
@@ -167,20 +168,26 @@
 #             counters, then the workload table (requests ok/err, logprobs vs
 #             base: confident steps, violations over 0.05, max |dlogprob|) and
 #             the check table (checked, mismatches, #hisparse miss, verdict).
-#             Estimate: launch ~60-100 s each, the first request of a cold
-#             machine ~2.5 min of JIT (tvm-ffi, deep_gemm, flashinfer) plus
-#             tilelang's mHC kernels (nvcc; not measured), smoke ~0.5 min,
-#             concurrent ~1 min, capacity ~1.5-2 min (serial prefills: ours'
-#             C4 device pool is 40000 / (4 x 2) = 4992 rows; one 16000-token
-#             prompt takes 4000 of them while it prefills): smoke,concurrent
-#             on base,ours ~6-8 min cold; capacity (2 more launches) in a
-#             command of its own, ~5 min warm. Cap GF_DSV4_CAP_S (540 s).
+#             Estimate (nothing measured): launch ~60-100 s each, the first
+#             request of a cold machine ~2.5 min of JIT (tvm-ffi, deep_gemm,
+#             flashinfer) plus tilelang's mHC kernels (nvcc, ~0.5 min each
+#             on this CPU machine for the smallest), smoke ~0.5 min a config,
+#             concurrent ~1 min, capacity ~1.5-2 min (prefills nearly serial
+#             for ours: its C4 device pool is 40000 / (4 x 2) = 4992 rows,
+#             and a 16000-token prompt takes 4000 while it prefills). So:
+#             smoke on base,ours ~6-7 min cold (with jit); concurrent ~5 min
+#             and capacity ~6 min warm, each in its own command (smoke and
+#             concurrent share a launch, but together they pass the ~450 s
+#             a cold command with jit leaves the stage). Cap GF_DSV4_CAP_S
+#             (540 s).
 #             The kit (45 MB) + .bundle/dsv4.tar.xz (~26 MB) + the tree are
 #             over one call's 64 MiB: two calls on one warm machine, the
 #             second within ~30 s of the first:
 #               1. carry [".bundle/dsv4.tar.xz"]: bash scripts/dsv4_env.sh
 #               2. carry [".bundle/site.tar.xz.00", ".gpu"]:
 #                  bash scripts/gpu_stages.sh dsv4 jit
+#               3. (warm) carry [".gpu"]: GF_DSV4_WORKLOADS=concurrent
+#                  bash scripts/gpu_stages.sh dsv4; 4. the same with capacity
 #             (a machine given back in between: the stage stops at once
 #             saying so; start again at 1).
 #   jit       save_jit_cache: the kernel caches as jitcache.tar.xz (split in
@@ -505,7 +512,7 @@ dsv4_cmd() {
   source scripts/dsv4_env.sh .bundle/dsv4.tar.xz || return 1  # explicit: a sourced file sees the function's $1
   export SGLANG_OPT_FP8_WO_A_GEMM=0
   "${E2E[@]}" --model "${GF_DSV4_MODEL:-tests/data/tiny-dsv4}" --configs "${GF_DSV4_CONFIGS:-base,ours}" \
-    --workloads "${GF_DSV4_WORKLOADS:-smoke,concurrent}" --check --warmup 0 \
+    --workloads "${GF_DSV4_WORKLOADS:-smoke}" --check --warmup 0 \
     --hisparse-config "${GF_DSV4_HS:-$HS_DSV4}" \
     --out "$RUN/dsv4.json" --logs "$RUN/dsv4"
 }
