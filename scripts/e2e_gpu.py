@@ -81,7 +81,12 @@ gets ``--load-format dummy --skip-tokenizer-init`` and is sent input_ids, so
 no weights or tokenizer are read (the kit's testweights plugin, on
 PYTHONPATH after ``source .gpu/device_env.sh``, re-draws the dummy weights
 with a usable scale). The prompts draw token ids below 32768, the kit
-config's vocabulary.
+config's vocabulary. A DeepSeek-V4 model (config.json naming
+DeepseekV4ForCausalLM, e.g. tests/data/tiny-dsv4: the same vocabulary) gets
+its own flags, environment and default --hisparse-config (ARCH_FLAGS,
+ARCH_ENV, ARCH_HS_CONFIG below); tilelang must be importable (the kit lacks
+it: scripts/pack_dsv4.sh, scripts/dsv4_env.sh). --dry-run prints every
+launch's command and launches nothing.
 
 --check sets SGLANG_HISPARSE_CHECK=1 in every HiSparse server: the server
 compares what each swap-in leaves in the hot buffer with the host copy and
@@ -126,6 +131,8 @@ margin exceeds --margin; such steps must agree within --tol.
     python scripts/e2e_gpu.py --configs base,ref,ours --ref-pkg .bundle/ref_pkg \
         --workloads capacity,lone --repeats 2
     python scripts/e2e_gpu.py --configs ours,noio --workloads concurrent --check --warmup 0
+    python scripts/e2e_gpu.py --model tests/data/tiny-dsv4 --configs base,ours \
+        --workloads smoke,concurrent --check --warmup 0      # DeepSeek-V4 (gpu_stages.sh dsv4)
     python scripts/e2e_gpu.py --configs base,ours,nores --workloads smoke --mtp 1,1,2 --check \
         --warmup 0                              # MTP: logprobs, the check, the parity table
     python scripts/e2e_gpu.py --configs nograph --workloads drain --mtp 1,1,2 --check --warmup 0
@@ -156,6 +163,25 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HS_CONFIG = {"top_k": 2048, "device_buffer_size": 4096, "host_to_device_ratio": 8}
+
+# What differs by the served model's architecture (model_arch: its
+# config.json's "architectures"). DSA models (DeepSeek-V3.2, GLM-5): bf16 KV
+# on FlashMLA's sparse kernels (the kit carries no FA3). DeepSeek-V4: SGLang
+# forces attention backend dsv4, page 256 and fp8_e4m3 KV
+# (srt/arg_groups/deepseek_v4_hook.py) and reads no DSA backend flags; its
+# indexer selects 512 compressed (C4, one per 4 tokens) rows, and the hot
+# buffer counts C4 rows too: 1024 rows hold 4096 tokens, so longer prompts
+# read from host. SGLANG_OPT_FP8_WO_A_GEMM=0: with bf16 dummy weights
+# srt/models/deepseek_v4.py asserts when the FP8 W_o GEMM is on (a value
+# already in the environment wins).
+ARCH_FLAGS = {
+    "dsa": ["--kv-cache-dtype", "bfloat16", "--dsa-prefill-backend", "flashmla_sparse",
+            "--dsa-decode-backend", "flashmla_sparse"],
+    "dsv4": ["--kv-cache-dtype", "fp8_e4m3"],
+}
+ARCH_ENV = {"dsa": {}, "dsv4": {"SGLANG_OPT_FP8_WO_A_GEMM": "0"}}
+ARCH_HS_CONFIG = {"dsa": HS_CONFIG,
+                  "dsv4": {"top_k": 512, "device_buffer_size": 1024, "host_to_device_ratio": 2}}
 
 # Server flags of the 32K workloads (one launch serves both).
 _LONG = ["--max-total-tokens", "72000", "--context-length", "40960"]
@@ -226,6 +252,16 @@ def check_ref_pkg(ref_pkg: str) -> str:
     return str(d)
 
 
+def model_arch(model: str) -> str:
+    """"dsv4" for a DeepSeek-V4 model directory, "dsa" for anything else
+    (every other model these scripts serve, or a config they cannot read)."""
+    try:
+        cfg = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "dsa"
+    return "dsv4" if "DeepseekV4ForCausalLM" in (cfg.get("architectures") or []) else "dsa"
+
+
 def server_cmd(model: str, port: int, config: str, extra: list[str],
                step_timer_out: Optional[Path] = None,
                step_profile: bool = False, hs_config: Optional[dict] = None,
@@ -237,7 +273,8 @@ def server_cmd(model: str, port: int, config: str, extra: list[str],
         raise ValueError(f"unknown configuration {config!r}; allowed: {', '.join(CONFIGS)}")
     if config == "ref" and not ref_pkg:
         raise ValueError("configuration 'ref' needs --ref-pkg DIR")
-    env = dict(os.environ, **(extra_env or {}))
+    arch = model_arch(model)
+    env = dict(ARCH_ENV[arch], **os.environ, **(extra_env or {}))
     if step_timer_out is not None:
         # scripts/steptimer is a diagnostic SGLang plugin (see its docstring).
         step_timer_out.mkdir(parents=True, exist_ok=True)
@@ -249,8 +286,7 @@ def server_cmd(model: str, port: int, config: str, extra: list[str],
     args = [
         sys.executable, "-m", "sglang.launch_server", "--port", str(port),
         "--host", "127.0.0.1", "--model-path", model, "--load-format", "dummy",
-        "--skip-tokenizer-init", "--disable-radix-cache", "--kv-cache-dtype", "bfloat16",
-        "--dsa-prefill-backend", "flashmla_sparse", "--dsa-decode-backend", "flashmla_sparse",
+        "--skip-tokenizer-init", "--disable-radix-cache", *ARCH_FLAGS[arch],
         "--disable-piecewise-cuda-graph", "--mem-fraction-static", "0.35",
         "--max-running-requests", "32", "--context-length", "32768",
         "--skip-server-warmup", "--random-seed", "0", "--decode-log-interval", "4",
@@ -263,7 +299,7 @@ def server_cmd(model: str, port: int, config: str, extra: list[str],
         args += ["--max-total-tokens", "131072"]
     args += extra
     if config != "base":
-        args += ["--enable-hisparse", "--hisparse-config", json.dumps(hs_config or HS_CONFIG)]
+        args += ["--enable-hisparse", "--hisparse-config", json.dumps(hs_config or ARCH_HS_CONFIG[arch])]
     if check and config not in ("base", "stock"):
         env[CHECK_ENV] = "1"
     if mtp and config not in ("base", "stock"):
@@ -949,7 +985,8 @@ def main() -> int:
                     help=f"{CHECK_ENV}=1 in every HiSparse server; tabulate its counters per launch "
                          "(exit 1 unless ours/nopark are exact and noio shows mismatches)")
     ap.add_argument("--hisparse-config", default=None, metavar="JSON",
-                    help=f"--hisparse-config for the HiSparse servers (default {json.dumps(HS_CONFIG)})")
+                    help=f"--hisparse-config for the HiSparse servers (default {json.dumps(HS_CONFIG)}; "
+                         f"DeepSeek-V4: {json.dumps(ARCH_HS_CONFIG['dsv4'])})")
     ap.add_argument("--synthetic", default=None, metavar="SPEC",
                     help=f"{SYNTHETIC_ENV}=SPEC in {'/'.join(SYNTHETIC_CONFIGS)} (e.g. 'calibrated'): a "
                          "benchmark-only top-k of known locality in place of the indexer's; "
@@ -974,6 +1011,9 @@ def main() -> int:
     ap.add_argument("--server-args", default="",
                     help="extra sglang.launch_server flags for every launch, one shell-quoted "
                          "string (after the workload's own; the last of a repeated flag wins)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="launch nothing: print each launch's sglang.launch_server command and the "
+                         "environment it adds (the model's architecture decides the flags), then exit")
     args = ap.parse_args()
     args.step_timer = args.step_timer or args.step_profile
     if args.merge:
@@ -1037,6 +1077,9 @@ def main() -> int:
     # A config directory given relative to here must still be found from the
     # servers' own (empty) working directory.
     model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
+    by_flags = launch_groups(workloads)
+    if args.dry_run:
+        return dry_run(model, args.port, configs, by_flags, opts)
     exit_on_sigterm()
     Path(args.logs).mkdir(parents=True, exist_ok=True)
     env: dict = {}
@@ -1058,11 +1101,6 @@ def main() -> int:
         return 2
     results: dict = {c: {w: [] for w in workloads} for c in configs}
     launches: list[dict] = []
-    # Workloads with their own server flags (or environment) get their own launches.
-    by_flags: dict[tuple, list[str]] = {}
-    for w in workloads:
-        key = (tuple(WORKLOADS[w][2]), tuple(sorted(WORKLOAD_ENV.get(w, {}).items())))
-        by_flags.setdefault(key, []).append(w)
     for rep in range(args.repeats):
         for (flags, wenv), ws in by_flags.items():
             for cfg in configs:
@@ -1147,6 +1185,32 @@ def main() -> int:
     failed_checks = [c for c in checks if c.get("check_ok") is False]
     failed_drain = [d for d in drain if not d["ok"]]
     return 1 if failed_checks or failed_drain or not all(s.get("ok", True) for s in summary) else 0
+
+
+def launch_groups(workloads: list[str]) -> dict[tuple, list[str]]:
+    """Workloads with their own server flags (or environment) get their own
+    launches: (flags, environment items) -> the workloads one launch serves."""
+    by_flags: dict[tuple, list[str]] = {}
+    for w in workloads:
+        key = (tuple(WORKLOADS[w][2]), tuple(sorted(WORKLOAD_ENV.get(w, {}).items())))
+        by_flags.setdefault(key, []).append(w)
+    return by_flags
+
+
+def dry_run(model: str, port: int, configs: list[str], by_flags: dict, opts: dict) -> int:
+    """--dry-run: one line per launch (in the order a round makes them) with
+    the environment it adds to this one and its command line."""
+    import shlex
+
+    print(f"model {model} (architecture {model_arch(model)})", flush=True)
+    for (flags, wenv), ws in by_flags.items():
+        for cfg in configs:
+            cmd, env = server_cmd(model, port, cfg, list(flags), extra_env=dict(wenv), **opts)
+            added = {k: v for k, v in env.items() if os.environ.get(k) != v}
+            print(f"[{cfg} {','.join(ws)}] "
+                  + " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(added.items()))
+                  + (" " if added else "") + shlex.join(cmd), flush=True)
+    return 0
 
 
 def print_step_timer(results, configs, workloads) -> None:

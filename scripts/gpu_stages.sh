@@ -18,6 +18,9 @@
 #   (build isolation fetches setuptools+wheel; the venv itself has no
 #   `wheel`, so --no-build-isolation fails here. ~0.9 MB.)
 #   bash scripts/pack_mooncake.sh                  # .bundle/mooncake.tar.xz (6.4 MiB), for pd
+#   bash scripts/pack_dsv4.sh                      # .bundle/dsv4.tar.xz (~26 MB), for dsv4:
+#                                                  # it does not fit one call beside the kit,
+#                                                  # see the dsv4 stage below
 #   Optional: a JIT cache brought back by the `jit` stage:
 #   cat jitcache.tar.xz.* > .bundle/jitcache.tar.xz  (counts toward the
 #   64 MiB that travels: the kit's bundle is ~45 MB of it).
@@ -144,6 +147,49 @@
 #             GF_INDEXSHARE_SYNTHETIC=calibrated the calibrated top-k
 #             (default: the random weights' own). The IndexShare line then
 #             has an indexshare-decode row (decode-only rate, server step).
+#   dsv4      DeepSeek-V4 (issue #19; NOT RUN ON A GPU YET): the tiny
+#             random-weight model tests/data/tiny-dsv4 (4 layers, compress
+#             ratios 0/4/128/4, index_topk 512, one NextN layer) served by
+#             e2e_gpu.py, which gives a V4 model its own flags (SGLang forces
+#             attention backend dsv4, page 256, fp8_e4m3 KV; no DSA backend
+#             flags) and SGLANG_OPT_FP8_WO_A_GEMM=0 (exported here too).
+#             tilelang + libz3 come from .bundle/dsv4.tar.xz via
+#             scripts/dsv4_env.sh (unpacked once into /tmp/dsv4). Configs
+#             GF_DSV4_CONFIGS (base,ours: ours = our HiSparse C4 pools with
+#             --check), workloads GF_DSV4_WORKLOADS (smoke; also concurrent:
+#             16 x 9000, and capacity: 16 x 16000 x 128 out at
+#             --max-total-tokens 40000, each in a command of its own),
+#             --hisparse-config GF_DSV4_HS ({"top_k": 512,
+#             "device_buffer_size": 1024, "host_to_device_ratio": 2}: top-k and
+#             hot buffer in C4 rows, 4 tokens each, so 1024 rows hold 4096
+#             tokens and every workload's long prompts read from host), model
+#             GF_DSV4_MODEL, --warmup 0. Prints per launch "ready in", per
+#             workload "N ok, M errors" with the host misses and the check's
+#             counters, then the workload table (requests ok/err, logprobs vs
+#             base: confident steps, violations over 0.05, max |dlogprob|) and
+#             the check table (checked, mismatches, #hisparse miss, verdict).
+#             Estimate (nothing measured): launch ~60-100 s each, the first
+#             request of a cold machine ~2.5 min of JIT (tvm-ffi, deep_gemm,
+#             flashinfer) plus tilelang's mHC kernels (nvcc, ~0.5 min each
+#             on this CPU machine for the smallest), smoke ~0.5 min a config,
+#             concurrent ~1 min, capacity ~1.5-2 min (prefills nearly serial
+#             for ours: its C4 device pool is 40000 / (4 x 2) = 4992 rows,
+#             and a 16000-token prompt takes 4000 while it prefills). So:
+#             smoke on base,ours ~6-7 min cold (with jit); concurrent ~5 min
+#             and capacity ~6 min warm, each in its own command (smoke and
+#             concurrent share a launch, but together they pass the ~450 s
+#             a cold command with jit leaves the stage). Cap GF_DSV4_CAP_S
+#             (540 s).
+#             The kit (45 MB) + .bundle/dsv4.tar.xz (~26 MB) + the tree are
+#             over one call's 64 MiB: two calls on one warm machine, the
+#             second within ~30 s of the first:
+#               1. carry [".bundle/dsv4.tar.xz"]: bash scripts/dsv4_env.sh
+#               2. carry [".bundle/site.tar.xz.00", ".gpu"]:
+#                  bash scripts/gpu_stages.sh dsv4 jit
+#               3. (warm) carry [".gpu"]: GF_DSV4_WORKLOADS=concurrent
+#                  bash scripts/gpu_stages.sh dsv4; 4. the same with capacity
+#             (a machine given back in between: the stage stops at once
+#             saying so; start again at 1).
 #   jit       save_jit_cache: the kernel caches as jitcache.tar.xz (split in
 #             15 MiB parts when larger; not returned above ~45 MiB). Run
 #             last; ~0.5-1 min. Then, here:
@@ -169,8 +215,8 @@ if [ ${#STAGES[@]} -eq 0 ]; then
   exit 2
 fi
 for s in "${STAGES[@]}"; do
-  case $s in tests|bg-tests|check|fault|e2e|e2e1|e2e2|deep|trace|decode|bound|stream|kbench|mtp|mtpperf|pd|indexshare|jit) ;;
-    *) echo "unknown stage $s (tests bg-tests check fault e2e e2e1 e2e2 deep trace decode bound stream kbench mtp mtpperf pd indexshare jit)"; exit 2 ;;
+  case $s in tests|bg-tests|check|fault|e2e|e2e1|e2e2|deep|trace|decode|bound|stream|kbench|mtp|mtpperf|pd|indexshare|dsv4|jit) ;;
+    *) echo "unknown stage $s (tests bg-tests check fault e2e e2e1 e2e2 deep trace decode bound stream kbench mtp mtpperf pd indexshare dsv4 jit)"; exit 2 ;;
   esac
 done
 [ -f scripts/e2e_gpu.py ] && [ -f .gpu/device_env.sh ] || {
@@ -232,6 +278,13 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>&1 
 
 # --- environment: the kit, this work tree's package, the ref package ---------
 source .gpu/device_env.sh
+if declare -F save_jit_cache >/dev/null; then
+  # The kit's list plus ~/.tilelang (DeepSeek-V4's mHC kernels, dsv4 stage).
+  save_jit_cache() {
+    tar -C "$HOME" -cf - $(cd "$HOME" && ls -d .cache/tvm-ffi .cache/flashinfer .cache/deep_gemm \
+      .cache/sglang .triton .deep_gemm .tilelang 2>/dev/null) 2>/dev/null | xz -T0 -3 > "$1/jitcache.tar.xz"
+  }
+fi
 PROJ=$WORK/proj
 rm -rf "$PROJ"
 if ! python3 -m pip install -q --no-deps --no-build-isolation --no-index --no-compile \
@@ -300,6 +353,10 @@ summarize_stage() {
     kbench)
       grep -E '^( *bs|ndt| *[0-9]+ |worst|pinned|device)' "$f" | cut -c1-200
       grep -q '^ndt' "$f" || tail -15 "$f" ;;
+    dsv4)
+      grep -E '^dsv4_env|^model |\] (sglang_hisparse from|ready in|FAILED)|^\[[a-z]+ rep[0-9.]+\] [a-z]+: |Traceback|counter flush' "$f" | cut -c1-400
+      sed -n '/^workload    config/,$p' "$f"
+      grep -q '^workload    config' "$f" || tail -20 "$f" ;;
     pd)
       grep -E '^\[[a-z0-9-]+\] (ready|FAILED)|^mooncake_env|Traceback' "$f" | cut -c1-300
       sed -n '/^PD summary/,$p' "$f"
@@ -331,6 +388,8 @@ E2E=(python3 scripts/e2e_gpu.py --port "$PORT")
 CPU_ARGS=(--cpu-probe)
 [ -n "${GF_CPUS:-}" ] && CPU_ARGS=(--cpus "$GF_CPUS")
 HS_RATIO2='{"top_k": 2048, "device_buffer_size": 4096, "host_to_device_ratio": 2}'
+# DeepSeek-V4's top-k and hot buffer count C4 rows (4 tokens each).
+HS_DSV4='{"top_k": 512, "device_buffer_size": 1024, "host_to_device_ratio": 2}'
 join() { local IFS=,; echo "$*"; }
 # GF_E2E_BASE=0 leaves base out of the e2e rounds (before/after needs only
 # ref and ours); ROUND_N: launches per round, for the stage's time estimate.
@@ -449,6 +508,15 @@ stream_cmd() {
     --out "$RUN/stream.json" --logs "$RUN/stream"
 }
 
+dsv4_cmd() {
+  source scripts/dsv4_env.sh .bundle/dsv4.tar.xz || return 1  # explicit: a sourced file sees the function's $1
+  export SGLANG_OPT_FP8_WO_A_GEMM=0
+  "${E2E[@]}" --model "${GF_DSV4_MODEL:-tests/data/tiny-dsv4}" --configs "${GF_DSV4_CONFIGS:-base,ours}" \
+    --workloads "${GF_DSV4_WORKLOADS:-smoke}" --check --warmup 0 \
+    --hisparse-config "${GF_DSV4_HS:-$HS_DSV4}" \
+    --out "$RUN/dsv4.json" --logs "$RUN/dsv4"
+}
+
 pd_cmd() {  # the stage's limit in $1 (s): pd_gpu.py keeps ~40 s of it for stopping
   source scripts/mooncake_env.sh .bundle/mooncake.tar.xz || return 1  # explicit: a sourced file sees the function's $1
   echo "mooncake_env: $(python3 -c 'import mooncake.engine as m; print(m.__file__)')"
@@ -516,6 +584,9 @@ trace_cmd"
       PD_LEFT=$(( BUDGET_S - $(elapsed) - RESERVE - 45 ))
       run_stage pd 240 560 bash -c "$(declare -f pd_cmd); $(declare -p RUN); pd_cmd $(( PD_LEFT < 560 ? PD_LEFT : 560 ))"
       show pd ;;
+    dsv4)
+      run_stage dsv4 240 "${GF_DSV4_CAP_S:-540}" bash -c "$(declare -f dsv4_cmd); $(declare -p E2E HS_DSV4 RUN); dsv4_cmd"
+      show dsv4 ;;
     kbench)
       wait_bg
       run_stage kbench 90 300 bash -c "$(declare -f kbench_cmd); $(declare -p RUN); kbench_cmd"
