@@ -102,13 +102,25 @@ def test_glm52_like_layout():
     ({"index_topk_freq": 0}, "index_topk_freq"),
 ])
 def test_bad_index_sharing_names_the_field_before_weights(tmp_path, fields, field):
+    """The check before weights uses the installed release's rules: a
+    pattern shorter than the model fails on 0.5.13's model code (refused
+    by name) and is valid on 0.5.15.post1's (its tail layers anchor)."""
+    from sglang_hisparse.adapter import releases
     from sglang_hisparse.adapter.args import index_share_problems
 
     model_config = _model_config(tmp_path, **fields)
     with pytest.raises(IndexShareConfigError, match=field):
         roles_from_config(model_config.hf_text_config, 4)
-    (problem,) = index_share_problems(model_config)
-    assert field in problem
+    rules = releases.current.index_share_rules()
+    try:
+        roles_from_config(model_config.hf_text_config, 4, rules)
+    except IndexShareConfigError:
+        (problem,) = index_share_problems(model_config)
+        assert field in problem
+    else:
+        # only the short pattern is a 0.5.15 edge (test_roles_follow_each_release_line)
+        assert fields == {"index_topk_pattern": "FSS"}
+        assert index_share_problems(model_config) == []
 
 
 def _model_code_pattern_0_5_15(config, n):
@@ -152,6 +164,24 @@ def test_roles_follow_each_release_line(tmp_path, fields):
     else:
         with pytest.raises(IndexShareConfigError, match=edge):
             roles_from_config(text, 4, rules_13)
+
+
+@pytest.mark.parametrize("factor,pattern", [(2, "FSFSF"), (3, "FSSFS"), (1, "FSSSS")])
+def test_0_5_17_reads_cli_factor_first(tmp_path, factor, pattern):
+    """0.5.17's DeepseekV2AttentionMLA.__init__: cli_factor > 1 makes every
+    cli_factor-th layer an anchor, whatever the other fields say; 1 leaves
+    them to dsa_layer_skips_topk (here index_topk_pattern). Earlier releases
+    never read it."""
+    from sglang_hisparse.adapter.releases import module_for
+
+    text = _model_config(tmp_path / "ok", cli_factor=factor,
+                         index_topk_pattern="FSSSS").hf_text_config
+    assert roles_from_config(text, 5, module_for("0.5.17").index_share_rules()).pattern == pattern
+    assert roles_from_config(text, 5, module_for("0.5.15.post1").index_share_rules()).pattern \
+        == "FSSSS"
+    with pytest.raises(IndexShareConfigError, match="cli_factor"):
+        bad = _model_config(tmp_path / "bad", cli_factor=None).hf_text_config
+        roles_from_config(bad, 5, module_for("0.5.17").index_share_rules())
 
 
 def test_prefetch_off_reasons():
