@@ -218,11 +218,13 @@ def test_a_retraction_without_offload_keeps_nothing_on_host(server_args):
     assert env.coord.retain.enabled and not list(env.coord.retain.kept())
     assert env.drained()
     # Without the hook the first request's rows stay retained for a copy nobody takes.
-    req = env.admit("c-1", 300)
-    env.decode(req)
-    env.coord.retract_req(req)
+    first, second = env.admit("c-1", 300), env.admit("d-1", 300)
+    for req in (first, second):
+        env.decode(req)
+        generated(req, 1, 0)
+    env.coord.retract_req(first)
     with pytest.raises(RuntimeError, match="never taken by get_cpu_copy"):
-        env.coord.retract_req(env.admit("d-1", 300))
+        env.coord.retract_req(second)
 
 
 def test_colocated_retraction_still_releases_everything():
