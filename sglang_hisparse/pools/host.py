@@ -426,8 +426,7 @@ class HiSparseC4HostPool(PagedHostSlots, HostKVCache):
     def _cuda_copy(self, src_ptrs, dst_ptrs, src_slots, dst_slots):
         """Token-granular C4 copy across layers by pointer arrays.
 
-        Calls SGLang's ``transfer_cache_dsv4_mla`` (``sglang.jit_kernel.hisparse``;
-        0.5.17: ``sglang.kernels.ops.kvcache.hisparse``)
+        Calls SGLang's ``sglang.jit_kernel.hisparse.transfer_cache_dsv4_mla``
         although we never call native HiSparse: despite its module it is a
         plain copy kernel (per token, the 576 B value run and the 8 B scale
         run from one page-padded C4 buffer to another, by per-layer pointer
@@ -438,10 +437,10 @@ class HiSparseC4HostPool(PagedHostSlots, HostKVCache):
         copy of it would add nothing. The CPU path (``_copy_tokens``) is what
         the tests check; this GPU path has not been verified on a GPU yet.
         """
-        from sglang_hisparse.adapter import releases
+        from sglang.jit_kernel.hisparse import transfer_cache_dsv4_mla
 
         dev = self.gpu_device
-        releases.current.hisparse_ops().transfer_cache_dsv4_mla(
+        transfer_cache_dsv4_mla(
             src_ptrs=src_ptrs, dst_ptrs=dst_ptrs,
             src_indices=src_slots.to(device=dev, dtype=torch.int64),
             dst_indices=dst_slots.to(device=dev, dtype=torch.int64),
