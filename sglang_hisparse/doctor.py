@@ -37,13 +37,18 @@ import inspect
 import re
 import sys
 import textwrap
+from collections import Counter
 from pathlib import Path
 
-from sglang_hisparse import SUPPORTED_SGLANG_VERSIONS, __version__
-from sglang_hisparse import pins
+from sglang_hisparse import SUPPORTED_SGLANG_VERSIONS, __version__, pins
 from sglang_hisparse.arg_rules import dsa_row_bytes
 from sglang_hisparse.manifest import DEPENDS, HOOKS, Entry, Kind, entries_of
-from sglang_hisparse.pinned_source import installed_sglang_root, sglang_version
+from sglang_hisparse.pinned_source import (
+    TargetNotFound,
+    installed_sglang_root,
+    sglang_distribution,
+    sglang_version,
+)
 
 _INDENT = " " * 7
 
@@ -107,43 +112,46 @@ def todo(entry: Entry, detail: str, release: str) -> tuple[str, str]:
 def release_requirements(root: Path) -> str:
     """The torch and sglang-kernel pins of the sglang distribution at
     ``root`` (what a node, and the GPU loop, must run it with)."""
-    import importlib.metadata
-
-    for dist in importlib.metadata.distributions(path=[str(root)]):
-        if (dist.metadata["Name"] or "").lower() == "sglang":
-            wanted = [req.split(";")[0].strip() for req in dist.requires or ()
-                      if re.match(r"(torch|sglang-kernel|sgl-kernel)\s*[=<>~!]", req)]
-            return ", ".join(wanted) or "no torch / sglang-kernel pin"
-    return "unknown (no sglang metadata)"
+    try:
+        requires = sglang_distribution(root).requires or ()
+    except TargetNotFound:
+        return "unknown (no sglang metadata)"
+    wanted = [req.split(";")[0].strip() for req in requires
+              if re.match(r"(torch|sglang-kernel|sgl-kernel)\s*[=<>~!]", req)]
+    return ", ".join(wanted) or "no torch / sglang-kernel pin"
 
 
 def todo_summary(release: str, root: Path, ref: str, todos: list[str]) -> list[str]:
     """The closing lines on an unsupported release: what it runs with and
     the count of each kind of work a pin upgrade from ``ref`` takes."""
-    person = [kind for kind in todos if kind != "drop"]
+    counts = Counter(todos)
+    person = len(todos) - counts["drop"]
     lines = [f"\nto support sglang {release} (rebased from the {ref} pin):",
              f"  requires  {release_requirements(root)}"]
     for kind, what in TODO_KINDS.items():
-        if todos.count(kind):
-            lines.append(f"  {todos.count(kind):>4}  {what}")
+        if counts[kind]:
+            lines.append(f"  {counts[kind]:>4}  {what}")
     lines.append(
         f"  then      scripts/rebase.py {root} --old-root <{ref} install> --write "
         f"[--accept/--moved/--patch ...] writes patches/sglang-{release}/ once none of these "
-        f"{len(person)} entries is left to a person; add .ci/constraints-sglang-{release}.txt "
+        f"{person} entries is left to a person; add .ci/constraints-sglang-{release}.txt "
         "and run the tests on it (DEVELOPERS.md: A pin upgrade)")
     return lines
 
 
 def entry_lines(entry: Entry, ok: bool, detail: str, version: str,
-                verbose: bool = False, where: str = "") -> list[str]:
+                verbose: bool = False, where: str = "", todo: str = "") -> list[str]:
     """What the doctor prints for one entry (the first line is the status line;
-    a failure's reason follows it at once, after "->")."""
+    a failure's reason follows it at once, after "->", then ``todo``: what a
+    person does about it, on a release that is not pinned)."""
     lines = [
         f"  {'OK  ' if ok else 'FAIL'} {entry.kind.value:<12} {entry.process.value:<9} "
         f"{entry.target}"
     ]
     if not ok:
         lines.append(f"{_INDENT}-> {detail}")
+    if todo:
+        lines.append(f"{_INDENT}{'todo':<10}{todo}")
     if where and where != entry.target:
         lines.append(f"{_INDENT}{'at':<10}{where} (moved in sglang {version})")
     if entry.kind is Kind.DEPENDS:
@@ -214,12 +222,12 @@ def run_doctor(root: Path | None, out=sys.stdout, verbose: bool = False) -> int:
         for entry in entries:
             check = check_entry(entry, ref, root if foreign else None, build=not foreign)
             failures[key] += not check.ok
-            lines = entry_lines(entry, check.ok, check.detail, ref, verbose, check.where)
+            work = ""
             if not supported and not check.ok:
-                kind, line = todo(entry, check.detail, version)
+                kind, work = todo(entry, check.detail, version)
                 todos.append(kind)
-                lines.insert(2, f"{_INDENT}{'todo':<10}{line}")
-            for line in lines:
+            for line in entry_lines(entry, check.ok, check.detail, ref, verbose, check.where,
+                                    work):
                 print(line, file=out)
     bad = sum(failures.values())
     print(

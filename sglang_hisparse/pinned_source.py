@@ -51,14 +51,22 @@ def installed_sglang_root() -> Path:
     return Path(list(spec.submodule_search_locations)[0]).parent
 
 
+def sglang_distribution(root: Path | None = None) -> importlib.metadata.Distribution:
+    """The sglang distribution installed at ``root`` (default: ours): its
+    version and its requirements."""
+    if root is None:
+        return importlib.metadata.distribution("sglang")
+    for dist in importlib.metadata.distributions(path=[str(root)]):
+        if (dist.metadata["Name"] or "").lower() == "sglang":
+            return dist
+    raise TargetNotFound(f"no sglang distribution metadata under {root}")
+
+
 def sglang_version(root: Path | None = None) -> str:
     """Version of the sglang distribution installed at ``root`` (default: ours)."""
     if root is None:
         return importlib.metadata.version("sglang")
-    for dist in importlib.metadata.distributions(path=[str(root)]):
-        if (dist.metadata["Name"] or "").lower() == "sglang":
-            return dist.version
-    raise TargetNotFound(f"no sglang distribution metadata under {root}")
+    return sglang_distribution(root).version
 
 
 def _module_file(root: Path, parts: list[str]) -> tuple[int, Path]:
