@@ -110,6 +110,10 @@
 #             first, --cpu-probe), GF_MTP_PERF_REPEATS (1) rounds; prints the
 #             "mtp target" lines: lone TPOT ours/base (<= 1.05, ours
 #             resident) and capacity tok/s ours/base (>= 2). ~7 min cold.
+#             GF_MTP_PERF_WORKLOADS (capacity,lone); GF_MTP_PERF_EXTRA: more
+#             e2e_gpu.py flags, e.g. "--step-profile" to see where a step's
+#             time goes (with STEPTIMER_SYNCS=1 exported: the stacks of its
+#             synchronizing CUDA calls, in LOGS/steptimer_*/).
 #             Run it again with GF_MTP_PERF_CONFIGS=ours,base (opposite
 #             order) and merge here: python3 scripts/e2e_gpu.py --merge
 #             mtpperf_a.json mtpperf_b.json --out mtpperf.json
@@ -470,7 +474,8 @@ mtp_cmd() {  # ours vs base with the check and the parity, then the drain (see t
 }
 
 mtpperf_cmd() {
-  "${E2E[@]}" --configs "${GF_MTP_PERF_CONFIGS:-base,ours}" --workloads capacity,lone \
+  "${E2E[@]}" --configs "${GF_MTP_PERF_CONFIGS:-base,ours}" \
+    --workloads "${GF_MTP_PERF_WORKLOADS:-capacity,lone}" ${GF_MTP_PERF_EXTRA:-} \
     --mtp "${GF_MTP:-1,1,2}" ${GF_MTP_HS:+--hisparse-config "$GF_MTP_HS"} \
     --repeats "${GF_MTP_PERF_REPEATS:-1}" "${CPU_ARGS[@]}" \
     --out "$RUN/mtpperf.json" --logs "$RUN/mtpperf"

@@ -84,6 +84,30 @@ def _load_step_timer():
         sys.path.pop(0)
 
 
+def test_step_timer_counts_synchronizing_calls_by_the_stack_that_made_them(monkeypatch):
+    import warnings
+
+    import torch
+
+    timer = _load_step_timer()
+    modes = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)
+    monkeypatch.setattr(timer, "_syncs", {})
+    with warnings.catch_warnings():
+        timer._count_syncs()
+
+        def blocking_copy():  # what torch's "warn" mode raises on a sync
+            warnings.warn("called a synchronizing CUDA operation", UserWarning)
+
+        for _ in range(3):
+            blocking_copy()
+        warnings.warn("something else", UserWarning)  # passed on, not counted
+    assert modes == ["warn"]
+    [(stack, n)] = timer._syncs.items()
+    assert n == 3 and stack[-1].endswith(":blocking_copy")
+
+
 def test_step_timer_plugin_times_and_stays_off_without_its_variable(monkeypatch, tmp_path):
     timer = _load_step_timer()
     monkeypatch.delenv("STEPTIMER_OUT", raising=False)

@@ -179,7 +179,7 @@ def test_each_pd_configuration_gets_its_flags(monkeypatch, tmp_path):
                           "check": True, "retract_interval": 50, "server_args": "",
                           "stagger_s": 0, "parts": set(pd.ESTIMATE_S)})()
     nodes = pd.plan_nodes(args)
-    assert list(nodes)[0] == "prefill" and len(nodes) == 9
+    assert list(nodes)[0] == "prefill" and len(nodes) == 10
     by = {n: made[i] for i, n in enumerate(nodes)}
     flags = lambda n: " ".join(by[n][1])  # noqa: E731
     assert "--disaggregation-mode prefill" in flags("prefill") and by["prefill"][0] == "base"
@@ -189,6 +189,9 @@ def test_each_pd_configuration_gets_its_flags(monkeypatch, tmp_path):
     assert by["pd-retract"][2]["check"] is True  # where bytes differ after a resume
     assert by["pd-base"][0] == "base" and "--max-total-tokens 72000" in flags("pd-base")
     assert "--max-total-tokens 72000" in flags("pd-cap") and by["pd-cap"][0] == "ours"
+    # the control for batch composition: no HiSparse, room for 16 x 16128 tokens
+    assert by["pd-wide"][0] == "base" and "--max-total-tokens 300000" in flags("pd-wide")
+    assert "--disaggregation-mode decode" in flags("pd-wide")
     assert by["pd-retract"][3]["SGLANG_TEST_RETRACT"] == "1"
     assert by["pd-retract"][3]["SGLANG_TEST_RETRACT_INTERVAL"] == "50"
     assert "SGLANG_TEST_RETRACT" not in pd.os.environ  # set only around that launch
@@ -265,3 +268,45 @@ def test_retract_verdict_pd_press_waits_in_the_prealloc_queue_without_retracting
     crash = LOG + "Traceback (most recent call last):\nRuntimeError: y\n"
     v = _part_retract(monkeypatch, LOG, crash)
     assert v["ok"] and not v["pd-press"]["ok"]
+
+
+def _part_exact(monkeypatch, ours_capacity_max, wide_capacity_max):
+    """part_exact with servers replaced: every workload of a node answers
+    with a marker, and exactness() reads the figures planted for a pair."""
+    monkeypatch.setattr(pd, "run", lambda url, w: {"node": url, "workload": w, "errors": [],
+                                                   "requests": [{}]})
+    monkeypatch.setattr(pd, "Router", lambda port, decode, prefill: type(
+        "R", (), {"url": decode, "counts": {}, "close": lambda s: None})())
+    monkeypatch.setattr(pd.e2e, "flush_counters", lambda url: None)
+    monkeypatch.setattr(pd.time, "sleep", lambda s: None)
+    monkeypatch.setattr(pd.e2e, "log_stats", lambda log, start: {
+        "exact_checked": 100, "exact_mismatch": 0, "hisparse_misses": 5})
+    monkeypatch.setattr(pd.e2e, "check_verdict", lambda cfg, stats: {"check_ok": True})
+    planted = {"http://pd-ours": ours_capacity_max, "http://pd-wide": wide_capacity_max}
+
+    def exactness(ref, got, args):
+        if got["node"] == "http://pd-fake":
+            return {"violations": 3, "max_abs_dlogprob": 1.0,
+                    "by_prompt_len": {"600": {"n": 1, "identical": 0}}}
+        worst = planted.get(got["node"], 0.0) if got["workload"] == "capacity" else 0.02
+        if ref["node"] != "http://colo-base":
+            worst = 0.03  # pd-ours vs pd-wide: reported, not judged
+        return {"violations": int(worst > 0.05), "max_abs_dlogprob": worst,
+                "by_prompt_len": {"600": {"n": 1, "identical": 1}}, "below_topk_identical": True}
+
+    monkeypatch.setattr(pd, "exactness", exactness)
+    nodes = {n: _LogNode(n, "") for n in ("colo-base", "prefill", "pd-ours", "pd-wide", "pd-fake")}
+    args = type("A", (), {"check": True, "parts": {"exact"}})()
+    return pd.part_exact(nodes, {}, args)
+
+
+def test_exact_verdict_judges_a_step_over_tol_against_the_wide_control(monkeypatch):
+    # 0.0626 on capacity (run 1 of 2026-12-03) passes only where the control
+    # without HiSparse, running the same batch sizes, is at least as far off.
+    v = _part_exact(monkeypatch, 0.0626, 0.0626)
+    assert v["ok"] and v["pd-ours"]["within_tolerance"]["capacity"]
+    assert v["pd-ours"]["vs_pd_wide"]["capacity"]["max_abs_dlogprob"] == 0.03
+    v = _part_exact(monkeypatch, 0.0626, 0.0313)
+    assert not v["ok"] and not v["pd-ours"]["within_tolerance"]["capacity"]
+    assert v["pd-ours"]["within_tolerance"]["smoke"]
+    assert _part_exact(monkeypatch, 0.04, 0.0)["ok"]  # within --tol needs no control

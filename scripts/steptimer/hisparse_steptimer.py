@@ -13,6 +13,13 @@ Timers are installed when the scheduler's event loop starts, after every
 plugin's hooks, so each timer wraps whatever SGLang and the other plugins
 made of the function.
 
+With STEPTIMER_SYNCS=1 torch's sync debug mode is set to "warn" in the
+scheduler process and every synchronizing CUDA call (a blocking copy to or
+from the device, ``.item()``, ``.tolist()`` of a device tensor, ...) is
+counted by the Python stack that made it; the dump gains ``syncs``: [count,
+[frame, ...]] per stack, most frequent first. A sync in the step's path
+stalls the CPU until the GPU catches up, which undoes the overlap scheduler.
+
 With STEPTIMER_PROFILE=1 the scheduler thread also runs under cProfile
 while it has batches to run, and STEPTIMER_OUT/profile_<pid>.prof (pstats
 format, with the batch count in profile_<pid>.prof.json) is rewritten every
@@ -46,12 +53,21 @@ TIMED = [
     ("sglang.srt.model_executor.model_runner", "ModelRunner", "forward"),
     ("sglang.srt.model_executor.cuda_graph_runner", "CudaGraphRunner", "replay_prepare"),
     ("sglang.srt.model_executor.cuda_graph_runner", "CudaGraphRunner", "replay"),
+    # speculative (EAGLE v2) steps
+    ("sglang.srt.speculative.eagle_worker_v2", "EAGLEWorkerV2", "forward_batch_generation"),
+    ("sglang.srt.speculative.eagle_worker_v2", "EAGLEWorkerV2", "verify"),
+    ("sglang.srt.speculative.eagle_worker_v2", "EagleDraftWorker", "draft"),
+    ("sglang.srt.speculative.eagle_worker_v2", "EagleDraftWorker", "_draft_extend_for_decode"),
+    ("sglang.srt.speculative.eagle_info_v2", "EagleDraftInputV2Mixin", "prepare_for_decode"),
+    ("sglang.srt.speculative.eagle_info_v2", "EagleVerifyInputV2Mixin", "prepare_for_v2_verify"),
+    ("sglang.srt.speculative.eagle_info_v2", "EagleVerifyInputV2Mixin", "sample"),
 ]
 # Methods of whatever object the scheduler holds as its HiSparse coordinator.
 COORDINATOR = ["map_last_loc_to_buffer", "collect_ready_reqs", "wait_for_pending_backup",
                "has_ongoing_staging", "request_finished"]
 
 _stats: dict = {}
+_syncs: dict = {}  # stack (tuple of "file:line:function") -> count
 _lock = threading.Lock()
 
 
@@ -78,9 +94,10 @@ def _dump_forever(path: str) -> None:
         time.sleep(0.25)
         with _lock:
             snap = {k: list(v) for k, v in _stats.items()}
+            syncs = sorted(([n, list(st)] for st, n in _syncs.items()), reverse=True)
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
-            json.dump({"time": time.time(), "stats": snap}, f)
+            json.dump({"time": time.time(), "stats": snap, "syncs": syncs}, f)
         os.replace(tmp, path)
 
 
@@ -103,6 +120,33 @@ def _install(scheduler) -> None:
     threading.Thread(target=_dump_forever, args=(path,), daemon=True).start()
     if os.environ.get("STEPTIMER_PROFILE") == "1":
         _profile_scheduler_thread(os.path.join(out, f"profile_{os.getpid()}.prof"))
+    if os.environ.get("STEPTIMER_SYNCS") == "1":
+        _count_syncs()
+
+
+def _count_syncs(depth: int = 8) -> None:
+    """Count synchronizing CUDA calls by the Python stack that made them
+    (torch warns on each in sync debug mode "warn"; nothing is printed)."""
+    import traceback
+    import warnings
+
+    import torch
+
+    shown = warnings.showwarning
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if "synchronizing CUDA operation" not in str(message):
+            return shown(message, category, filename, lineno, file, line)
+        frames = [f for f in traceback.extract_stack()[:-1]
+                  if not f.filename.endswith(("warnings.py", "hisparse_steptimer.py"))]
+        stack = tuple(f"{'/'.join(f.filename.split('/')[-2:])}:{f.lineno}:{f.name}"
+                      for f in frames[-depth:])
+        with _lock:
+            _syncs[stack] = _syncs.get(stack, 0) + 1
+
+    warnings.showwarning = showwarning
+    warnings.filterwarnings("always", message=".*synchronizing CUDA operation.*")
+    torch.cuda.set_sync_debug_mode("warn")
 
 
 def _profile_scheduler_thread(path: str):

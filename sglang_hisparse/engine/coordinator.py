@@ -58,7 +58,8 @@ from sglang_hisparse.engine.policies.residency import Residency
 from sglang_hisparse.engine.policies.retain_on_retract import RetainOnRetract
 from sglang_hisparse.engine.policies import streaming as streaming_policy
 from sglang_hisparse.engine.state import ReqState, RequestTable
-from sglang_hisparse.engine.streams import RealRequestCount, Streams, TrailingReader
+from sglang_hisparse.engine.streams import (RealRequestCount, Streams, TrailingReader,
+                                            device_index)
 from sglang_hisparse.engine.tables import RequestTables
 from sglang_hisparse.engine.verify import VerifyStep
 from sglang_hisparse.kernels import synthetic_top_k
@@ -687,7 +688,7 @@ class Coordinator:
         self._eager_backup_previous_token(seq_lens, req_pool_indices, seq_list, idx_list)
         mapping = self._mapping()
         if self.is_dsv4_hisparse:
-            self._map_last_loc_dsv4(seq_lens, out_cache_loc, req_pool_indices)
+            self._map_last_loc_dsv4(seq_lens, out_cache_loc, req_pool_indices, seq_list)
             return
         self._grow_device_buffers(seq_list, idx_list)
         B = self.device_buffer_size
@@ -697,7 +698,7 @@ class Coordinator:
             keep = [i for i, idx in enumerate(idx_list) if not residency.holds(idx)]
             if not keep:
                 return
-            sel = torch.tensor(keep, dtype=torch.int64, device=seq_lens.device)
+            sel = device_index(keep, seq_lens.device)
             seq_lens, out_cache_loc, req_pool_indices = (
                 seq_lens[sel], out_cache_loc[sel], req_pool_indices[sel])
         if all(seq_list[i] - 1 > B for i in keep):
@@ -714,10 +715,13 @@ class Coordinator:
         self.req_device_buffer_token_locs[:, req_pool_indices, B] = slot_rows.to(torch.int32)
         mapping[out_cache_loc] = slot_rows
 
-    def _map_last_loc_dsv4(self, seq_lens, out_cache_loc, req_pool_indices) -> None:
-        active = seq_lens % self.compress_ratio == 0
-        if not bool(active.any()):
+    def _map_last_loc_dsv4(self, seq_lens, out_cache_loc, req_pool_indices, seq_list) -> None:
+        # Which requests start a compressed row, from the CPU lengths: asking
+        # the device tensor would sync the stream every step.
+        starts = [i for i, seq in enumerate(seq_list) if seq % self.compress_ratio == 0]
+        if not starts:
             return
+        active = device_index(starts, seq_lens.device)
         rpi = req_pool_indices[active]
         pos = (seq_lens[active] // self.compress_ratio - 1).clamp(max=self.device_buffer_size)
         rows = self.req_to_device_buffer[rpi, pos]
@@ -755,8 +759,8 @@ class Coordinator:
         if len(picks) == seq_lens.numel():
             rpi = req_pool_indices
         else:
-            rpi = req_pool_indices[torch.tensor(picks, dtype=torch.int64, device=dev)]
-        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+            rpi = req_pool_indices[device_index(picks, dev)]
+        pos = device_index(positions, dev)
         dev_rows = self.req_to_device_buffer[rpi, pos.clamp(max=self.device_buffer_size)]
         host = self.req_to_host_pool[rpi, pos]
         self.streams.wait_for_pending_backup()

@@ -39,6 +39,20 @@ from typing import Callable
 import torch
 
 
+def device_index(values, device) -> torch.Tensor:
+    """CPU ints as an int64 index tensor on ``device``, without a stream sync.
+
+    ``torch.tensor(values, device="cuda")`` copies from pageable memory and
+    then synchronizes the current stream: the CPU waits until the GPU has run
+    everything queued, so a step prepared that way no longer overlaps the one
+    in flight (MTP on 2026-12-03: two such calls per verify step). From
+    pinned memory the copy is queued in stream order instead, and PyTorch's
+    pinned allocator keeps the staging memory until that copy has run."""
+    if torch.device(device).type != "cuda":
+        return torch.tensor(values, dtype=torch.int64, device=device)
+    return torch.tensor(values, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+
+
 class CpuEvent:
     """CPU stand-in for a device event; ``pending`` polls let tests keep a
     staging copy "in flight" for a while."""

@@ -64,6 +64,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from sglang_hisparse.engine.state import ReqState
+from sglang_hisparse.engine.streams import device_index
 
 _HOT = ReqState.HOT
 
@@ -129,8 +130,8 @@ class VerifyStep:
             return
         dev = verify_locs.device
         req_slots = tuple(int(req_pool_indices[b]) for b in kept)
-        sel = torch.tensor(kept, dtype=torch.int64, device=dev)
-        idx = torch.tensor(req_slots, dtype=torch.int64, device=dev)
+        sel = device_index(kept, dev)
+        idx = device_index(req_slots, dev)
         seq = committed.to(torch.int64)[sel]
         B = c.device_buffer_size
         positions = seq[:, None] + self._offsets
@@ -181,6 +182,6 @@ class _MappedStep:
 
     def only(self, keep: Sequence[int]) -> "_MappedStep":
         """The same step for the requests at positions ``keep``."""
-        sel = torch.tensor(keep, dtype=torch.int64, device=self.idx.device)
+        sel = device_index(keep, self.idx.device)
         return _MappedStep(idx=self.idx[sel], positions=self.positions[sel], rows=self.rows[sel],
                            locs=self.locs[sel], req_slots=tuple(self.req_slots[k] for k in keep))

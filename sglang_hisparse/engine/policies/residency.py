@@ -36,6 +36,7 @@ from typing import Optional
 import torch
 
 from sglang_hisparse.engine.state import ReqState
+from sglang_hisparse.engine.streams import device_index
 
 S = ReqState
 _RESIDENT, _RESIDENT_JOINING = S.RESIDENT, S.RESIDENT_JOINING  # locals for per-step reads
@@ -151,8 +152,7 @@ class Residency:
 
         def first_slots(idxs):
             # The new token is its logical page's first slot.
-            sel = torch.tensor([batch[idx] for idx in idxs], dtype=torch.int64,
-                               device=out_cache_loc.device)
+            sel = device_index([batch[idx] for idx in idxs], out_cache_loc.device)
             return out_cache_loc[sel].to(torch.int64)
 
         # A demoted request of this step: its newest position has no row yet.
@@ -185,8 +185,8 @@ class Residency:
             # Logical pages are whole: a page's first slot names it.
             req = [idx for idx in idxs for _ in range(pages[idx])]
             pos = [(held[idx] + k) * ps for idx in idxs for k in range(pages[idx])]
-            return r2t[torch.tensor(req, dtype=torch.int64, device=r2t.device),
-                       torch.tensor(pos, dtype=torch.int64, device=r2t.device)].to(torch.int64)
+            return r2t[device_index(req, r2t.device),
+                       device_index(pos, r2t.device)].to(torch.int64)
 
         # Every position up to kv_allocated_len is mapped or not yet written:
         # a demoted request copies what it has.
