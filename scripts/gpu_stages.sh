@@ -405,7 +405,8 @@ test_files() {
   # GF_TESTS: these test ids instead (e.g. a rerun of the failures).
   [ -n "${GF_TESTS:-}" ] && { echo "$GF_TESTS"; return; }
   local f files=()
-  for f in tests/test_kernel_gpu.py tests/test_host_memory_gpu.py tests/test_exactness_kernel_gpu.py; do
+  for f in tests/test_kernel_gpu.py tests/test_host_memory_gpu.py tests/test_exactness_kernel_gpu.py \
+           tests/test_streams_gpu.py; do
     [ -f "$f" ] && files+=("$f")
   done
   grep -q 'def test_soak_on_gpu' tests/test_soak.py 2>/dev/null && files+=(tests/test_soak.py::test_soak_on_gpu)

@@ -783,6 +783,15 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.speculative > 1 and args.mode == "pd":
         ap.error("--speculative: PD decode with MTP is not supported yet")
+    # What a server would refuse (e.g. a hot buffer smaller than the verify
+    # rows' draft tokens x top-k) is refused here too, by the same rules.
+    from sglang_hisparse.config import HiSparseConfig, HiSparseConfigError
+
+    try:
+        HiSparseConfig(top_k=args.top_k, device_buffer_size=args.hot).resolve(
+            args.top_k, args.speculative)
+    except HiSparseConfigError as exc:
+        ap.error(f"--hot/--top-k/--speculative: {exc}")
     sim = Sim(args.seed, residency=args.residency == "on", parking=args.parking == "on",
               pd=args.mode == "pd", device=args.device, top_k=args.top_k, hot=args.hot,
               draft_tokens=args.speculative)

@@ -153,6 +153,9 @@ GPU_RUNS = {
     "resident": (["--seed", "7"], ("resident_checks", "demotions", "parked", "retract")),
     "staged": (["--seed", "3", "--residency", "off"], ("parked", "abort_staging", "retract")),
     "pd": (["--seed", "11", "--mode", "pd"], ("transferred", "resumed", "abort_retracted")),
+    # MTP verify rows (4 draft tokens) through the JIT union swap-in
+    "speculative": (["--seed", "5", "--speculative", "4", "--hot", "256"],
+                    ("verify_steps", "resident_verify", "abort_in_verify")),
 }
 
 
@@ -178,3 +181,12 @@ def test_soak_on_gpu(name):
     assert printed["swap_in"] == "sglang_hisparse.kernels.swap_in (JIT)"
     assert printed["producer_stream"]  # the forward ran on the decode producer stream
     assert not _never_zero(counts, ("swap_checks",) + exercised), counts
+
+
+def test_soak_refuses_a_hot_buffer_the_server_would_refuse(capsys):
+    # 128 slots cannot hold 4 verify rows x top-k 64: the server's config
+    # rules say so, and a soak run with it reported a mismatch instead.
+    soak = _load()
+    with pytest.raises(SystemExit):
+        soak.main(["--steps", "1", "--top-k", "64", "--hot", "128", "--speculative", "4"])
+    assert "device_buffer_size must be in [draft_tokens x top_k (4 x 64)" in capsys.readouterr().err

@@ -1,0 +1,44 @@
+"""Index tensors built per step reach the GPU without a stream sync.
+
+A decode or verify step's Python runs while the previous step's forward is
+still on the GPU (the overlap scheduler); a synchronizing call there makes
+the CPU wait for it. torch's sync debug mode "error" raises on such a call,
+so it tells a sync-free copy from a blocking one.
+"""
+
+import pytest
+import torch
+
+from sglang_hisparse.engine.streams import device_index
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def syncs_raise():
+    torch.cuda.init()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_device_index_does_not_sync_where_a_plain_copy_does(syncs_raise):
+    # Keep the stream busy so that a blocking copy would have to wait.
+    busy = torch.randn(4096, 4096, device="cuda")
+    for _ in range(8):
+        busy = busy @ busy / 64
+    got = device_index([3, 1, 2], "cuda")
+    with pytest.raises(RuntimeError, match="synchroniz"):
+        torch.tensor([3, 1, 2], dtype=torch.int64, device="cuda")  # the control
+    torch.cuda.set_sync_debug_mode("default")
+    assert got.dtype == torch.int64 and got.tolist() == [3, 1, 2]
+
+
+def test_device_index_values_survive_the_staging_buffers_reuse():
+    # The pinned staging memory goes back to PyTorch's cache once its copy
+    # has run; later indices must not see another call's values.
+    outs = [device_index(list(range(k, k + 64)), "cuda") for k in range(200)]
+    torch.cuda.synchronize()
+    assert all(o.tolist() == list(range(k, k + 64)) for k, o in enumerate(outs))
