@@ -275,6 +275,13 @@ class World:
                 exactness_check=exactness, index_roles=roles)
         assert (self.coord.prefetch is not None) == prefetch
         self.host = self.coord.mem_pool_host
+        # The host pool is allocated uninitialized (as a server's is: the model
+        # writes whole rows); the tags below fill a few columns of each row,
+        # and the worlds' device pools are compared whole, so the rest of the
+        # rows a swap-in copies must not be whatever an earlier test left in
+        # that memory (the 0.5.17 port's run met a tag at column 544).
+        for buf in self.host.kv_buffer:
+            buf.zero_()
         self.start = free_counts(self.alloc, self.host, self.r2t)
 
     def staged(self, rid, n):
