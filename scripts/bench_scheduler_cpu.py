@@ -31,7 +31,9 @@ import torch  # noqa: E402
 
 
 def run(n_reqs: int, steps: int, residency: bool, prompt: int = 600) -> float:
-    from dataplane_fixtures import PS, dsa_pool, make_req, prefill, req_pool, t64
+    from dataplane_fixtures import (
+        PS, dsa_pool, kv_allocated_len, make_req, prefill, req_pool, set_kv_allocated_len, t64,
+    )
     from sglang_hisparse.pools.allocator import HiSparseDualAllocator
     from sglang_hisparse.adapter.model_runner import HiSparseCoordinator
 
@@ -51,12 +53,12 @@ def run(n_reqs: int, steps: int, residency: bool, prompt: int = 600) -> float:
     rpi = t64(*[r.req_pool_idx for r in reqs])
     times = []
     for _ in range(steps):
-        seq = t64(*[r.kv_allocated_len for r in reqs])
+        seq = t64(*[kv_allocated_len(r) for r in reqs])
         last = r2t.req_to_token[rpi, seq - 1].to(torch.int64)
         out = alloc.alloc_decode(seq + 1, seq + 1, last)  # SGLang's (Triton, interpreted here)
         r2t.req_to_token[rpi, seq] = out.to(torch.int32)
         for r in reqs:
-            r.kv_allocated_len += 1
+            set_kv_allocated_len(r, kv_allocated_len(r) + 1)
         seq = seq + 1
         t0 = time.perf_counter()
         coord.map_last_loc_to_buffer(seq, out, rpi, seq.clone(), rpi.clone())

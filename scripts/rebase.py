@@ -3,6 +3,7 @@
 
     python scripts/rebase.py DIR [--write] [--accept TARGET ...] [--moved TARGET=NEW ...]
                              [--patch TARGET=DIFF ...] [--old-root OLD_DIR] [--out ROOT]
+                             [--from VERSION]
     python scripts/rebase.py --hash TARGET... [--sglang-root DIR]
 
 DIR holds the new release's ``sglang`` package and its ``*.dist-info``
@@ -33,6 +34,10 @@ download`` wheel unzipped). For every manifest entry this prints one of:
             ``--moved TARGET=NEW`` (review and gone lines list candidates:
             definitions of the same name, most alike first); the pin records
             the place and the loader installs there, the entry keeps its name
+
+The pin compared with is the newest one before the new release (a release
+that has a pin: its own, a refresh); ``--from VERSION`` names an older pin
+instead, to repeat a port that is already pinned (e.g. to record it).
 
 With ``--write``, and only when no entry is left for a person, it writes the
 new pin: ``patches/sglang-NEW/pin.json`` (every target's sha256, see
@@ -200,16 +205,24 @@ def _relied_on_by(entry) -> str:
     return "\n".join(f"             relied on by {who}" for who in entry.relied_on_by)
 
 
+def older_pins(new: str) -> list[str]:
+    """The supported releases before ``new``, oldest first."""
+    return [v for v in SUPPORTED_SGLANG_VERSIONS if pins.version_key(v) < pins.version_key(new)]
+
+
 def rebase(root: Path, write: bool, accept: tuple[str, ...] = (), out: Path | None = None,
            moved: dict[str, str] | None = None, ported: dict[str, Path] | None = None,
-           old_root: Path | None = None) -> int:
+           old_root: Path | None = None, from_pin: str | None = None) -> int:
     new = sglang_version(root)
     # A pin that exists is refreshed against itself (keeping where it came
     # from); a new release is rebased from the newest pin before it (the
-    # newest of all when there is none before it).
-    older = [v for v in SUPPORTED_SGLANG_VERSIONS if pins.version_key(v) < pins.version_key(new)]
-    refresh = new in SUPPORTED_SGLANG_VERSIONS
-    old = new if refresh else (older or SUPPORTED_SGLANG_VERSIONS)[-1]
+    # newest of all when there is none before it), or from the one named.
+    older = older_pins(new)
+    refresh = new in SUPPORTED_SGLANG_VERSIONS and from_pin is None
+    if from_pin is not None:
+        old = from_pin
+    else:
+        old = new if refresh else (older or SUPPORTED_SGLANG_VERSIONS)[-1]
     rebased_from = pins.pin(new)["rebased_from"] if refresh else old
     out = Path(out) if out is not None else pins.PATCH_ROOT
     print(f"rebasing the {old} manifest onto sglang {new} at {root}")
@@ -391,6 +404,9 @@ def main(argv: list[str] | None = None) -> int:
                          "candidates, re-anchoring patches); default: the installed sglang")
     ap.add_argument("--out", type=Path, default=None, metavar="ROOT",
                     help="where pins are written (default: the package's patches/)")
+    ap.add_argument("--from", dest="from_pin", default=None, metavar="VERSION",
+                    help="rebase from this older pin instead of the newest one before "
+                         "DIR's release (repeats a port that is already pinned)")
     ap.add_argument("--hash", nargs="+", metavar="TARGET", default=None,
                     help="print the sha256 of these dotted targets and exit "
                          "(DIR / --sglang-root, default: the installed sglang)")
@@ -413,7 +429,13 @@ def main(argv: list[str] | None = None) -> int:
 
     moved = pairs("--moved", args.moved, "NEW")
     ported = {t: Path(d) for t, d in pairs("--patch", args.patch, "DIFF").items()}
-    return rebase(root, args.write, tuple(args.accept), args.out, moved, ported, args.old_root)
+    if args.from_pin is not None:
+        allowed = older_pins(sglang_version(root))
+        if args.from_pin not in allowed:
+            ap.error(f"--from takes a pin older than sglang {sglang_version(root)}: one of "
+                     f"{', '.join(allowed) or '(none)'}, got {args.from_pin!r}")
+    return rebase(root, args.write, tuple(args.accept), args.out, moved, ported, args.old_root,
+                  args.from_pin)
 
 
 if __name__ == "__main__":

@@ -324,7 +324,7 @@ class Sim:
         self.waiting.pop(0)
         (idx,) = self.r2t.alloc([req])
         req.req_pool_idx = idx
-        req.kv_allocated_len = 0
+        releases.current.set_kv_allocated_len(req, 0)
         self.prefilling.append(req)
 
     def prefill_chunk(self, req):
@@ -337,7 +337,8 @@ class Sim:
         self.r2t.req_to_token[req.req_pool_idx, pre:end] = out.to(torch.int32)
         self.write_kv(req, range(pre, end), out)
         releases.current.set_prefill_range(req, pre, end)
-        req.sim_len = req.kv_allocated_len = req.kv_committed_len = end
+        req.sim_len = req.kv_committed_len = end
+        releases.current.set_kv_allocated_len(req, end)
         self.stats["prefill"] += 1
         if end < req.sim_target:
             return
@@ -390,7 +391,7 @@ class Sim:
     def reserve_need(self, batch):
         # get_alloc_reserve_per_decode: 2 x max(steps x top-k, draft tokens) past the committed + 1
         return sum(self.page_up(r.sim_len + 1 + 2 * self.draft_tokens)
-                   - self.page_up(r.kv_allocated_len) for r in batch)
+                   - self.page_up(releases.current.kv_allocated_len(r)) for r in batch)
 
     def verify(self):
         """One speculative step (see the module docstring)."""
@@ -405,7 +406,7 @@ class Sim:
         rpi = [r.req_pool_idx for r in batch]
         committed = [r.sim_len for r in batch]
         locs = verify_locs(self.r2t, batch, committed, n)
-        self.coord.verify.map_slots(rpi, [r.kv_allocated_len for r in batch], self.dev(committed),
+        self.coord.verify.map_slots(rpi, [releases.current.kv_allocated_len(r) for r in batch], self.dev(committed),
                                     locs.to(self.device))
         # (after map_slots: it may have demoted some)
         self.stats["resident_verify"] += sum(map(self.coord.residency.holds, rpi))
@@ -464,7 +465,7 @@ class Sim:
             return
         self.reserve_speculative([req])
         locs = verify_locs(self.r2t, [req], [s], n)
-        self.coord.verify.map_slots([req.req_pool_idx], [req.kv_allocated_len], self.dev([s]),
+        self.coord.verify.map_slots([req.req_pool_idx], [releases.current.kv_allocated_len(req)], self.dev([s]),
                                     locs.to(self.device))
         self.running.remove(req)
         self.coord.request_finished(req)

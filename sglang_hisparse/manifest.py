@@ -149,6 +149,7 @@ _HISPARSE_HOOK = "sglang.srt.arg_groups.hisparse_hook"
 _FACTORY = "sglang.srt.mem_cache.sparsity.factory"
 _MR = "sglang.srt.model_executor.model_runner.ModelRunner"
 _KV_MIXIN = "sglang.srt.model_executor.model_runner_kv_cache_mixin.ModelRunnerKVCacheMixin"
+_KV_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
 _GRAPH = "sglang.srt.model_executor.cuda_graph_runner.CudaGraphRunner"
 _BATCH_MOD = "sglang.srt.managers.schedule_batch"
 _BATCH = f"{_BATCH_MOD}.ScheduleBatch"
@@ -734,6 +735,31 @@ HOOKS: tuple[Entry, ...] = (
         ),
         tests=("tests/test_disaggregation.py", "tests/test_pd_node.py"),
     ),
+    # --- PD decode: a retraction that rebootstraps keeps nothing on host.
+    _data_plane_hook(
+        target=f"{_BATCH_MOD}.release_req",
+        kind=Kind.AROUND,
+        why=(
+            "A PD decode retraction hands the request's KV over as a CPU copy: retract_req "
+            "(unless finished), then Req.offload_kv_cache, then release_kv_cache"
+            "(is_insert=False); ours keeps the host rows for that copy. 0.5.17's "
+            "pause_generation(mode='retract') rebootstraps instead (the prefill recomputes "
+            "the KV) and passes offload_kv=False: no copy is taken, so the kept rows would "
+            "leak and the next retraction would find the hand-off taken. Ours releases "
+            "every row of such a retraction. Releases before 0.5.17 have no offload_kv: "
+            "the hook passes the call through."
+        ),
+        impl="sglang_hisparse.adapter.scheduler:release_req_without_offload",
+        upstream="none: 0.5.17 srt/managers/scheduler.py:4511-4520 (retract_all, offload_kv=False)",
+        behaviour=(
+            "release_req(..., offload_kv=False) with our coordinator: the request's host "
+            "rows are released with its hot buffer (0.5.17 would have them retained for "
+            "a copy nobody takes)",
+            "every other call: unchanged",
+        ),
+        relied_on_by=(f"{_COORD}.retract_req", f"{_RETAIN}.retract_to_host"),
+        tests=("tests/test_disaggregation.py",),
+    ),
     # --- PD prefill: a failed state transfer must fail the request (any server).
     Entry(
         target="sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.transfer_worker",
@@ -748,10 +774,15 @@ HOOKS: tuple[Entry, ...] = (
             "prefill server, which has no --enable-hisparse, and is a fix for any "
             "server: scope ALWAYS, whatever the decode side runs."
         ),
-        native_in=None,
-        upstream="none: 0.5.15.post1 srt/disaggregation/mooncake/conn.py:1378-1392 still drops it",
+        native_in="0.5.17",
+        upstream=(
+            "0.5.17 srt/disaggregation/mooncake/conn.py:1738-1766 (state_rc: the session "
+            "and the room fail, decode is told); 0.5.15.post1 conn.py:1378-1392 drops it"
+        ),
         scope=Scope.ALWAYS,
-        removal="drop on the first pin whose transfer_worker checks maybe_send_extra's return code",
+        removal="drop with the last pin before 0.5.17 (native there)",
+        # 0.5.17 fails the request on the state transfer's return code itself.
+        until="0.5.15.post1",
         process=Process.SCHEDULER,
         behaviour=(
             "a non-zero return of maybe_send_extra makes the request's poll Failed on "
@@ -823,6 +854,7 @@ def _depends(
     scope: Scope = Scope.DATA_PLANE,
     tests: tuple[str, ...] = (),
     since: str | None = None,
+    until: str | None = None,
 ) -> Entry:
     return Entry(
         target=target,
@@ -835,6 +867,7 @@ def _depends(
         relied_on_by=relied_on_by,
         tests=tests,
         since=since,
+        until=until,
         removal=(
             "hash only: re-read relied_on_by when the target changes; drop with "
             "the code that relies on it"
@@ -844,8 +877,10 @@ def _depends(
 
 def _draft_swa_depends(target: str, why: str, tests: tuple[str, ...] = ()) -> Entry:
     """A dependency of the DeepSeek-V4 draft's SWA registration: an ALWAYS
-    hook, so checked with or without our data plane."""
-    return _depends(target, why, (_DRAFT_SWA,), scope=Scope.ALWAYS, tests=tests)
+    hook, so checked with or without our data plane; like the hook, up to
+    0.5.15.post1 (0.5.16 registers the draft itself)."""
+    return _depends(target, why, (_DRAFT_SWA,), scope=Scope.ALWAYS, tests=tests,
+                    until="0.5.15.post1")
 
 
 # DEPENDS: the SGLang code our code is called from or mirrors, hashed so that
@@ -936,6 +971,44 @@ DEPENDS: tuple[Entry, ...] = (
         "the host pool's item_bytes and doctor's kernel item bytes follow it",
         ("sglang_hisparse.doctor:row_bytes", "sglang_hisparse.pools.host:HiSparseMLAHostPool"),
         tests=("tests/test_host_pool.py", "tests/test_doctor.py"),
+    ),
+    # 0.5.17 moved pool construction into mem_cache/kv_cache_configurator.py
+    # and the coordinator's construction out of alloc_memory_pool: what the
+    # _init_pools and initialize entries relied on lives here there.
+    _depends(
+        f"{_MR}.maybe_init_hisparse_coordinator",
+        "builds the target's coordinator after the pools (before the attention backend "
+        "and graph capture) with the fixed keywords from parse_hisparse_config, "
+        "top_k = the model's index_topk",
+        (_COORD, "sglang_hisparse.adapter.args:parse_hisparse_config"),
+        since="0.5.17",
+    ),
+    _depends(
+        f"{_KV_CONFIGURATOR}._build_dsa_kv_pool",
+        "with HiSparse the DSA pool is HiSparseDSATokenToKVPool (a class REPLACE target) "
+        "with host_to_device_ratio from parse_hisparse_config",
+        ("sglang_hisparse.pools.device_dsa:HiSparseDSADevicePool",
+         "sglang_hisparse.adapter.args:parse_hisparse_config"),
+        tests=("tests/test_device_pool.py",),
+        since="0.5.17",
+    ),
+    _depends(
+        f"{_KV_CONFIGURATOR}._build_token_to_kv_pool_allocator",
+        "HiSparse: HiSparseTokenToKVPoolAllocator(size, page_size, dtype, device, kvcache, "
+        "need_sort, host_to_device_ratio); DeepSeek-V4 wraps the SWA one in "
+        "DeepSeekV4HiSparseTokenToKVPoolAllocator",
+        (_ALLOC, "sglang_hisparse.pools.allocator_c4:DSV4HiSparseAllocator",
+         "sglang_hisparse.adapter.args:parse_hisparse_config"),
+        tests=("tests/test_allocator.py", "tests/test_dsv4.py"),
+        since="0.5.17",
+    ),
+    _depends(
+        f"{_DECODE}.alloc_for_decode_prealloc_hisparse",
+        "PD prealloc, before the patched host-row call: sets req.kv (kv_allocated_len = "
+        "fill_len), then alloc_logical_only (alloc_extend_swa_tail if offered: ours is not)",
+        (f"{_ALLOC}.alloc_logical_only", f"{_COORD}.prealloc_host_rows"),
+        tests=("tests/test_disaggregation.py", "tests/test_pd_node.py"),
+        since="0.5.17",
     ),
     _depends(
         "sglang.srt.model_executor.pool_configurator.DSV4PoolConfigurator.__init__",
@@ -1031,13 +1104,6 @@ DEPENDS: tuple[Entry, ...] = (
         "the last request that still does not fit gets to_finish = FINISH_ABORT "
         "before release_req, so retract_req releases it whole",
         (f"{_RETAIN}.retains",),
-        tests=("tests/test_disaggregation.py",),
-    ),
-    _depends(
-        f"{_BATCH_MOD}.release_req",
-        "retract_req (unless finished), then Req.offload_kv_cache (PD decode), then "
-        "release_kv_cache(is_insert=False)",
-        (f"{_COORD}.retract_req", f"{_RETAIN}.retract_to_host"),
         tests=("tests/test_disaggregation.py",),
     ),
     _depends(

@@ -52,6 +52,22 @@ def make_req(rid, n):
     return Req(rid, "", array("q", [1] * n), SamplingParams(max_new_tokens=16))
 
 
+# Where the installed release keeps a request's allocated KV length.
+kv_allocated_len = releases.current.kv_allocated_len
+set_kv_allocated_len = releases.current.set_kv_allocated_len
+
+
+def scheduler_passes_batches() -> bool:
+    """Whether the installed release's ``Scheduler.get_next_batch_to_run`` /
+    ``get_new_batch_prefill`` take the running batch and return a
+    ``NextBatchPlan`` (0.5.17) rather than read ``self.running_batch`` and
+    return the batch (read from its source: importing the scheduler is slow)."""
+    from sglang_hisparse.pinned_source import read_pinned_source
+
+    text = read_pinned_source("sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill").text
+    return "running_batch" in text.split(")", 1)[0]
+
+
 def t64(*v):
     return torch.tensor(list(v), dtype=torch.int64)
 
@@ -66,7 +82,8 @@ def prefill(r2t, alloc, req, n, pool=None, tag=None):
     # as the prefill scheduler and ScheduleBatch.prepare_for_extend leave a
     # fully prefilled request (the release names the prefill range its way)
     releases.current.set_prefill_range(req, 0, n)
-    req.kv_allocated_len = req.kv_committed_len = n
+    req.kv_committed_len = n
+    set_kv_allocated_len(req, n)
     if pool is not None:
         rows = alloc.translate_to_physical(out)
         for layer in range(pool.layer_num):
@@ -213,7 +230,7 @@ def decode_batch(r2t, alloc, coord, reqs, device="cpu"):
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     rpi = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
-    seq = torch.tensor([r.kv_allocated_len for r in reqs], dtype=torch.int64)
+    seq = torch.tensor([kv_allocated_len(r) for r in reqs], dtype=torch.int64)
     batch = ScheduleBatch(
         reqs=list(reqs), req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc,
         tree_cache=chunk_cache(r2t, alloc), model_config=model_config(), device=device,

@@ -354,11 +354,12 @@ def test_manifest_entries_check_out():
                                                                  "sglang_hisparse.pools.allocator:",
                                                                  "sglang_hisparse.adapter.scheduler:"))]
     # The coordinator, the allocator and the scheduler hooks that drive them
-    # (streaming's included): each acts only while the data plane is ours.
+    # (streaming's and the rebootstrap retraction's included): each acts only
+    # while the data plane is ours.
     assert sorted(e.impl.rsplit(":", 1)[1] for e in mine) == [
         "HiSparseCoordinator", "HiSparseDualAllocator", "model_runner_max_token_pool_size",
-        "scheduler_abort_request", "scheduler_get_new_batch_prefill",
-        "scheduler_get_next_batch_to_run"]
+        "release_req_without_offload", "scheduler_abort_request",
+        "scheduler_get_new_batch_prefill", "scheduler_get_next_batch_to_run"]
     assert all(e.scope is Scope.DATA_PLANE for e in mine)
     for e in mine:
         c = check_entry(e, sglang_version())

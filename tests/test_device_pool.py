@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from conftest import run_python
-from dataplane_fixtures import PS, get_tag, make_req, prefill, req_pool, t64
+from dataplane_fixtures import (
+    PS, get_tag, kv_allocated_len, make_req, prefill, req_pool, set_kv_allocated_len, t64,
+)
 from sglang_hisparse.pools.allocator import HiSparseDualAllocator
 from sglang_hisparse.adapter.model_runner import HiSparseCoordinator
 from sglang_hisparse.pools.device_dsa import HiSparseDSADevicePool
@@ -274,7 +276,7 @@ def test_coordinator_round_trip_through_pool_writes():
     last = r2t.req_to_token[rpi, seq - 2].to(torch.int64)
     out = alloc.alloc_decode(seq, seq, last)
     r2t.req_to_token[rpi, seq - 1] = out.to(torch.int32)
-    req.kv_allocated_len += 1
+    set_kv_allocated_len(req, kv_allocated_len(req) + 1)
     coord.map_last_loc_to_buffer(seq, out, rpi, seq.clone(), None)
     row = pool.translate_loc_to_hisparse_device(out)
     assert int(row) == int(coord.req_to_device_buffer[idx, HOT]) and int(row) != int(out)

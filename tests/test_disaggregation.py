@@ -10,6 +10,7 @@ a transfer engine) and ``Req.load_kv_cache``; an abort runs 0.5.13's
 logical, physical, host and request slots back to the start.
 """
 
+import inspect
 from array import array
 
 import pytest
@@ -17,7 +18,7 @@ import torch
 
 from dataplane_fixtures import (
     PS, abort, abort_scheduler, chunk_cache, decode_step, dsa_pool, free_counts, get_tag,
-    installed_server_args,
+    installed_server_args, kv_allocated_len,
     make_req, pre_alloc, put_tag, release, req_pool, t64,
 )
 from sglang_hisparse.pools.allocator import HiSparseDualAllocator
@@ -145,9 +146,9 @@ def test_retracted_request_resumes_from_its_host_rows(server_args, prompt, steps
 
     for _ in range(3):
         env.decode(req)
-    host = env.coord.req_to_host_pool[idx, :req.kv_allocated_len - 1]
+    host = env.coord.req_to_host_pool[idx, :kv_allocated_len(req) - 1]
     for tags in env.host_tags(host):  # write-through went on from the restored rows
-        assert tags == list(range(req.kv_allocated_len - 1))
+        assert tags == list(range(kv_allocated_len(req) - 1))
     env.coord.request_finished(req)
     release(env.r2t, env.alloc, req)
     assert env.drained()
@@ -183,6 +184,47 @@ def test_request_aborted_in_the_retraction_is_released_whole(server_args):
     req = retracted_after_one_step(env, server_args, to_finish=FINISH_ABORT())
     assert not req.kv_cache_cpu.holds_rows
     assert env.drained()
+
+
+def test_a_retraction_without_offload_keeps_nothing_on_host(server_args):
+    """0.5.17's rebootstrap retraction (``pause_generation(mode="retract")``
+    calls ``release_req(..., offload_kv=False)``: the prefill recomputes the
+    KV, nobody takes a CPU copy). Through our hook each request's host rows
+    go back whole, so the next retraction finds the hand-off free."""
+    from sglang.srt.managers.schedule_batch import release_req
+
+    from sglang_hisparse.adapter.scheduler import release_req_without_offload
+
+    env = PDEnv()
+    reqs = [env.admit(rid, 300) for rid in ("a-1", "b-1")]
+    for req in reqs:
+        env.decode(req)
+        generated(req, 1, 0)
+    takes_offload = "offload_kv" in inspect.signature(release_req).parameters
+
+    def original(**kw):
+        if takes_offload:
+            return release_req(**kw)
+        # Before 0.5.17 nothing calls it so: what 0.5.17's does without the offload.
+        kw["hisparse_coordinator"].retract_req(kw["req"])
+        release(env.r2t, env.alloc, kw["req"])
+
+    for req in reqs:
+        release_req_without_offload(
+            original, req=req, remaing_req_count=0, server_args=server_args,
+            req_to_token_pool=env.r2t, token_to_kv_pool_allocator=env.alloc,
+            tree_cache=env.cache, hisparse_coordinator=env.coord, offload_kv=False)
+        assert getattr(req, "kv_cache_cpu", None) is None
+    assert env.coord.retain.enabled and not list(env.coord.retain.kept())
+    assert env.drained()
+    # Without the hook the first request's rows stay retained for a copy nobody takes.
+    first, second = env.admit("c-1", 300), env.admit("d-1", 300)
+    for req in (first, second):
+        env.decode(req)
+        generated(req, 1, 0)
+    env.coord.retract_req(first)
+    with pytest.raises(RuntimeError, match="never taken by get_cpu_copy"):
+        env.coord.retract_req(second)
 
 
 def test_colocated_retraction_still_releases_everything():

@@ -113,9 +113,9 @@ def test_row_bytes_are_0_5_13s_row_width():
     import torch
 
     from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.model_executor.model_runner_kv_cache_mixin import ModelRunnerKVCacheMixin
     from sglang.srt.server_args import ServerArgs
 
+    from sglang_hisparse.adapter import releases
     from sglang_hisparse.doctor import row_bytes
 
     model_config = ModelConfig(str(REPO / "tests" / "data" / "dsv32-geometry"))
@@ -125,10 +125,9 @@ def test_row_bytes_are_0_5_13s_row_width():
     ):
         server_args = ServerArgs(model_path="dummy")
         server_args.dsa_prefill_backend = server_args.dsa_decode_backend = backend
-        # The method reads only these three attributes of its model runner.
-        runner = types.SimpleNamespace(
-            model_config=model_config, kv_cache_dtype=dtype, server_args=server_args)
-        dim = ModelRunnerKVCacheMixin.calculate_mla_kv_cache_dim(runner)
+        # The release's own calculate_mla_kv_cache_dim (a model runner method
+        # before 0.5.17, reading only these three fields).
+        dim = releases.current.mla_kv_cache_dim(model_config, dtype, server_args)
         assert row_bytes(name) == dim * itemsize
     assert (row_bytes("bfloat16"), row_bytes("fp8_e4m3")) == (1152, 656)
 

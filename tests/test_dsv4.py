@@ -16,11 +16,13 @@ from conftest import run_python
 from dataplane_fixtures import (
     decode_step,
     dsv4_pool,
+    kv_allocated_len,
     make_req,
     our_c4_pool_as_native,
     prefill,
     release,
     req_pool,
+    set_kv_allocated_len,
     t64,
 )
 from sglang_hisparse.adapter import releases
@@ -327,27 +329,27 @@ def test_free_returns_every_slot():
     req, a = _prefill(alloc, r2t, 130, "chunked")
     b = alloc.alloc_extend(t64(130), t64(130), t64(600), t64(600), a[-1:], 470)
     r2t.req_to_token[req.req_pool_idx, 130:600] = b.to(torch.int32)
-    req.kv_allocated_len = 600
+    set_kv_allocated_len(req, 600)
     reqs.append((req, None))
     # decode steps add full + SWA slots only
     for req, _ in reqs:
-        seq = req.kv_allocated_len
+        seq = kv_allocated_len(req)
         last = r2t.req_to_token[req.req_pool_idx, seq - 1 : seq].to(torch.int64)
         out = alloc.alloc_decode(t64(seq + 1), t64(seq + 1), last)
         r2t.req_to_token[req.req_pool_idx, seq] = int(out)
-        req.kv_allocated_len += 1
-    c4_used = sum(-(-((r.kv_allocated_len - 1) // 4) // CPS) for r, _ in reqs)  # C4 pages
+        set_kv_allocated_len(req, kv_allocated_len(req) + 1)
+    c4_used = sum(-(-((kv_allocated_len(r) - 1) // 4) // CPS) for r, _ in reqs)  # C4 pages
     assert counts(alloc)["c4"] == start["c4"] - c4_used * CPS
     assert alloc.swa_available_size() < SWA
     # release_kv_cache of requests that finished right after prefill: 0.5.13
     # leaked their C4 rows; a free group defers like SGLang's
     alloc.free_group_begin()
     for req, _ in reqs[:3]:
-        alloc.free(r2t.req_to_token[req.req_pool_idx, : req.kv_allocated_len].to(torch.int64))
+        alloc.free(r2t.req_to_token[req.req_pool_idx, : kv_allocated_len(req)].to(torch.int64))
     assert counts(alloc)["c4"] == start["c4"] - c4_used * CPS
     alloc.free_group_end()
     for req, _ in reqs[3:]:
-        alloc.free(r2t.req_to_token[req.req_pool_idx, : req.kv_allocated_len].to(torch.int64))
+        alloc.free(r2t.req_to_token[req.req_pool_idx, : kv_allocated_len(req)].to(torch.int64))
     for req, _ in reqs:
         r2t.free(req)
     assert counts(alloc, r2t=r2t) == start and unmapped(alloc)
@@ -477,7 +479,7 @@ def test_coordinator_c4_retract_running():
     env.coord.collect_ready_reqs()
     env.decode([req])
     env.coord.retract_req(req)
-    env.alloc.free(env.r2t.req_to_token[req.req_pool_idx, : req.kv_allocated_len].to(torch.int64))
+    env.alloc.free(env.r2t.req_to_token[req.req_pool_idx, : kv_allocated_len(req)].to(torch.int64))
     env.r2t.free(req)
     assert env.drained()
 
@@ -490,7 +492,8 @@ def test_coordinator_c4_direct_admission():
     full = env.alloc.alloc_logical_only(t64(0), t64(0), t64(300), t64(300), t64(-1), 300)
     env.r2t.req_to_token[idx, :300] = full.to(torch.int32)
     releases.current.set_prefill_range(req, 0, 300)
-    req.kv_allocated_len = req.kv_committed_len = 300
+    req.kv_committed_len = 300
+    set_kv_allocated_len(req, 300)
     host = env.host.alloc_paged_token_slots(env.coord.req_to_host_pool,
                                             env.coord.req_to_host_pool_allocated_len, idx, 0,
                                             env.coord.host_token_len(300))
@@ -545,7 +548,7 @@ def test_coordinator_c4_abort_while_staging():
         env.c4.translate_loc_from_full_to_compressed(
             env.r2t.req_to_token[other.req_pool_idx, :1024].long()))
     assert now.tolist() == other_rows.tolist()
-    env.alloc.free(env.r2t.req_to_token[req.req_pool_idx, : req.kv_allocated_len].to(torch.int64))
+    env.alloc.free(env.r2t.req_to_token[req.req_pool_idx, : kv_allocated_len(req)].to(torch.int64))
     env.r2t.free(req)
     env.finish(other)
     assert env.drained()

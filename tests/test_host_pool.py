@@ -154,7 +154,9 @@ def test_c4_gpu_path_builds_its_pointer_arrays_once(monkeypatch):
     # does no host-to-device copy for them. On CPU the kernel is stood in
     # for by a copy that resolves the addresses back to the buffers, which
     # also checks that each direction and layer gets the right arrays.
-    import sglang.jit_kernel.hisparse as jit_hisparse
+    from sglang_hisparse.adapter import releases
+
+    jit_hisparse = releases.current.hisparse_ops()
     from sglang_hisparse.kernels import reference
 
     dev = [torch.randint(0, 255, (3, c4_page_bytes()), dtype=torch.uint8) for _ in range(3)]

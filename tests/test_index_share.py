@@ -166,6 +166,24 @@ def test_roles_follow_each_release_line(tmp_path, fields):
             roles_from_config(text, 4, rules_13)
 
 
+@pytest.mark.parametrize("factor,pattern", [(2, "FSFSF"), (3, "FSSFS"), (1, "FSSSS")])
+def test_0_5_17_reads_cli_factor_first(tmp_path, factor, pattern):
+    """0.5.17's DeepseekV2AttentionMLA.__init__: cli_factor > 1 makes every
+    cli_factor-th layer an anchor, whatever the other fields say; 1 leaves
+    them to dsa_layer_skips_topk (here index_topk_pattern). Earlier releases
+    never read it."""
+    from sglang_hisparse.adapter.releases import module_for
+
+    text = _model_config(tmp_path / "ok", cli_factor=factor,
+                         index_topk_pattern="FSSSS").hf_text_config
+    assert roles_from_config(text, 5, module_for("0.5.17").index_share_rules()).pattern == pattern
+    assert roles_from_config(text, 5, module_for("0.5.15.post1").index_share_rules()).pattern \
+        == "FSSSS"
+    with pytest.raises(IndexShareConfigError, match="cli_factor"):
+        bad = _model_config(tmp_path / "bad", cli_factor=None).hf_text_config
+        roles_from_config(bad, 5, module_for("0.5.17").index_share_rules())
+
+
 def test_prefetch_off_reasons():
     roles = LayerRoles.from_pattern("FSFS")
     kw = dict(is_deepseek_v4=False, pp_size=1, environ={})

@@ -65,7 +65,9 @@ def _ptx(tmp_path, instantiation: str) -> str:
     """PTX of one explicit instantiation of a swap_in.cuh template, built with
     the loader's include paths and flags (sm_90a)."""
     import tvm_ffi.libinfo
-    from sglang.jit_kernel.utils import DEFAULT_INCLUDE
+    from sglang_hisparse.adapter import releases
+
+    include_dirs = releases.current.jit_include_dirs()
 
     from sglang_hisparse.kernels import _jit
 
@@ -76,7 +78,7 @@ def _ptx(tmp_path, instantiation: str) -> str:
     src = tmp_path / "variant.cu"
     src.write_text(f'#include "{swap_mod.SWAP_IN_SOURCE}"\n{instantiation}\n')
     out = tmp_path / "variant.ptx"
-    includes = [f"-I{p}" for p in [tvm_ffi.libinfo.find_include_path(), *DEFAULT_INCLUDE]]
+    includes = [f"-I{p}" for p in [tvm_ffi.libinfo.find_include_path(), *include_dirs]]
     cmd = [nvcc, "-ptx", "-arch=compute_90a", "-std=c++20", "-O3", "--expt-relaxed-constexpr",
            "-DSGL_CUDA_ARCH=900", *includes, str(src), "-o", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True)

@@ -2,13 +2,14 @@
 waiting prompt needs the rows; it joins later with a fresh hot buffer.
 Real SGLang pools on CPU; every test counts every pool back to the start."""
 
+import inspect
 import re
 from array import array
 from types import SimpleNamespace
 
 import pytest
 
-from dataplane_fixtures import PS, get_tag, make_req, release, req_pool
+from dataplane_fixtures import PS, get_tag, make_req, release, req_pool, set_kv_allocated_len
 from test_coordinator import HOT, Env
 from test_residency import swap
 from sglang_hisparse.engine.policies.parking import PrefillDemand
@@ -180,7 +181,7 @@ def test_scheduler_demand_costs_the_next_prompt_like_prefill_adder():
     )
 
     chunked = make_req("chunked", 1000)
-    chunked.kv_allocated_len = 512
+    set_kv_allocated_len(chunked, 512)
     runner = make_req("running", 50)
     runner.output_ids = array("q", [1, 2, 3, 4])  # 16 - 4 = 12 tokens still to come
     waiting = make_req("waiting", 600)
@@ -226,10 +227,25 @@ def test_the_hook_installs_the_scheduler_view_once(monkeypatch, parking):
     from sglang_hisparse.adapter.scheduler import scheduler_get_next_batch_to_run
 
     monkeypatch.setenv("SGLANG_HISPARSE_PARKING", parking)
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.managers.scheduler import Scheduler
+
+    # 0.5.17 passes the batches (running_batch, last_batch); earlier releases
+    # read self.running_batch inside the call.
+    passes_batches = "running_batch" in inspect.signature(Scheduler.get_next_batch_to_run).parameters
+
+    def call(original, running):
+        scheduler.running_batch = running
+        kwargs = {"running_batch": running, "last_batch": None} if passes_batches else {}
+        return scheduler_get_next_batch_to_run(original, scheduler, **kwargs)
+
     env = Env(phys=1024, ratio=4)
     scheduler = SimpleNamespace(hisparse_coordinator=env.coord)
-    assert scheduler_get_next_batch_to_run(lambda s: "batch", scheduler) == "batch"
-    first = env.coord.parking._provider
+    first_batch, second_batch = ScheduleBatch(reqs=[]), ScheduleBatch(reqs=[])
+    assert call(lambda s, **kw: "batch", first_batch) == "batch"
+    first = env.coord.prefill_demand_provider
     assert (first is not None) == (parking == "1") and env.coord.prefill_demand_installed
-    scheduler_get_next_batch_to_run(lambda s: None, scheduler)
-    assert env.coord.parking._provider is first  # not rebuilt every step
+    call(lambda s, **kw: None, second_batch)
+    assert env.coord.prefill_demand_provider is first  # not rebuilt every step
+    if first is not None:  # it reads the running batch of the call in progress
+        assert first.running_batch is second_batch

@@ -33,7 +33,7 @@ import torch
 
 from dataplane_fixtures import (
     PS, chunk_cache, decode_batch, dsa_pool, free_counts, get_tag, installed_server_args,
-    patched_pre_alloc, put_tag, release, req_pool,
+    kv_allocated_len, patched_pre_alloc, put_tag, release, req_pool,
 )
 from sglang_hisparse.adapter.model_runner import HiSparseCoordinator
 from sglang_hisparse.engine.state import ReqState
@@ -195,7 +195,7 @@ class PDNode:
         self.running.reqs = keep
 
     def check_host_kv(self, req):
-        n = req.kv_allocated_len - 1  # the newest token is written through next step
+        n = kv_allocated_len(req) - 1  # the newest token is written through next step
         host = self.coord.req_to_host_pool[req.req_pool_idx, :n]
         for layer in range(self.pool.layer_num):
             assert get_tag(self.host.kv_buffer[layer], host) == list(range(n)), req.rid
@@ -312,7 +312,7 @@ def test_a_resumed_request_reads_the_kv_and_indexer_keys_of_one_never_retracted(
         node.step()
     assert [r.rid for r in node.resume()] == ["kept"]
     for _ in range(3):
-        n = kept.kv_allocated_len  # positions whose KV the next step reads
+        n = kv_allocated_len(kept)  # positions whose KV the next step reads
         assert kept.kv_committed_len == n == len(kept.origin_input_ids) + len(kept.output_ids) - 1
         assert node.index_tags(kept, n) == [list(range(1, n + 1))] * node.pool.layer_num
         assert node.index_tags(kept, n) == node.index_tags(never, n)

@@ -22,6 +22,7 @@ from sglang_hisparse.pinned_source import read_pinned_source, sglang_version
 
 POST1 = "0.5.13.post1"
 POST1_15 = "0.5.15.post1"
+V17 = "0.5.17"
 # Every pin but the primary one, with the fixture that downloads its wheel
 # and the pin it was rebased from.
 OTHER_PINS = (
@@ -39,7 +40,7 @@ def test_supported_releases_are_the_pins():
     assert SUPPORTED_SGLANG_VERSIONS == ("0.5.13", POST1, POST1_15)
     assert pins.supported_versions() == SUPPORTED_SGLANG_VERSIONS
     assert pins.version_key("0.5.13") < pins.version_key(POST1) < pins.version_key("0.5.15")
-    assert pins.version_key("0.5.15") < pins.version_key(POST1_15) < pins.version_key("0.5.17")
+    assert pins.version_key("0.5.15") < pins.version_key(POST1_15) < pins.version_key(V17)
 
 
 def test_every_pin_hashes_every_entry_and_the_manifest_reads_them():
@@ -56,6 +57,13 @@ def test_every_pin_hashes_every_entry_and_the_manifest_reads_them():
         "sglang.srt.configs.model_config.dsa_layer_skips_topk",
         "sglang.srt.models.deepseek_common.attention_forward_methods.forward_mla."
         "DeepseekMLAForwardMixin.should_run_indexer",
+        # 0.5.17's pool construction (mem_cache/kv_cache_configurator.py), its
+        # coordinator construction and its PD prealloc helper (no pin yet).
+        "sglang.srt.model_executor.model_runner.ModelRunner.maybe_init_hisparse_coordinator",
+        "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_dsa_kv_pool",
+        "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator."
+        "_build_token_to_kv_pool_allocator",
+        "sglang.srt.disaggregation.decode.alloc_for_decode_prealloc_hisparse",
     }
     # The installed release is what its pin says, entry by entry (at the
     # place the pin records for a moved one).
@@ -200,8 +208,9 @@ def test_a_moved_target_is_offered_confirmed_and_followed(tmp_path):
 
 
 def test_a_renamed_target_is_offered_on_0_5_17(sglang_0_5_17):
-    # 0.5.17 renamed ModelRunner.max_token_pool_size (model_runner.py:1190).
-    proc = _rebase(str(sglang_0_5_17))
+    # 0.5.17 renamed ModelRunner.max_token_pool_size (model_runner.py:1190):
+    # the port from the 0.5.15.post1 pin, repeated (--from).
+    proc = _rebase(str(sglang_0_5_17), "--from", POST1_15)
     assert proc.returncode == 1
     (line,) = [ln.strip() for ln in proc.stdout.splitlines()
                if ln.strip().startswith("renamed? sglang.srt.model_executor.model_runner."
@@ -213,8 +222,8 @@ def test_rebase_reads_the_old_release_from_old_root(sglang_0_5_17, sglang_0_5_15
     """With --old-root the rebase needs no install of the old release: the
     0.5.15.post1 wheel's sources re-anchor the forward_extend patch on 0.5.17
     and name where 0.5.17 moved the allocation helpers (mem_cache/allocation.py)."""
-    proc = _rebase(str(sglang_0_5_17), "--old-root", str(sglang_0_5_15_post1))
-    assert proc.returncode == 1  # 0.5.17 still needs a person
+    proc = _rebase(str(sglang_0_5_17), "--old-root", str(sglang_0_5_15_post1), "--from", POST1_15)
+    assert proc.returncode == 1  # the port needs a person
     assert "  reapply  sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend.forward_extend\n" \
         in proc.stdout
     for fn in ("alloc_paged_token_slots_extend", "alloc_paged_token_slots_decode", "alloc_for_decode"):
@@ -222,3 +231,15 @@ def test_rebase_reads_the_old_release_from_old_root(sglang_0_5_17, sglang_0_5_15
                    if ln.strip().startswith(f"moved?   sglang.srt.mem_cache.allocation.{fn} ")]
         assert float(line.split(", ")[-1].split()[0]) > 0.9, line
     assert "nothing written" not in proc.stdout and "wrote " not in proc.stdout
+
+
+def test_from_names_an_older_pin_or_is_refused(sglang_0_5_17):
+    for bad in (V17, "0.5.9"):
+        proc = _rebase(str(sglang_0_5_17), "--from", bad)
+        assert proc.returncode == 2
+        assert (f"--from takes a pin older than sglang 0.5.17: one of 0.5.13, {POST1}, "
+                f"{POST1_15}, got {bad!r}") in proc.stderr
+    # Without it: the newest pin before the release (its own, once pinned).
+    newest = (POST1_15, V17)[V17 in SUPPORTED_SGLANG_VERSIONS]
+    assert _rebase(str(sglang_0_5_17)).stdout.startswith(
+        f"rebasing the {newest} manifest onto sglang {V17}")

@@ -117,10 +117,28 @@ def test_the_draft_runner_runs_without_hisparse_over_the_logical_ids(draft):
                                    token_to_kv_pool_allocator=env.alloc, max_total_num_tokens=1024)
     assert draft_runner_without_hisparse(runner) is None
     assert runner.enable_hisparse is (not draft)
-    sized = []
-    draft_pool_for_logical_ids(lambda self: sized.append(self.max_total_num_tokens), runner)
+    sized, kwargs = [], {}
+    try:
+        from sglang.srt.mem_cache.kv_cache_configurator import _PoolSizes
+    except ImportError:  # before 0.5.17 the pools are sized by the runner's own field
+        pass
+    else:  # 0.5.17: KVCacheConfigurator._init_pools(*, sizes, ...)
+        kwargs["sizes"] = _PoolSizes(
+            max_total_num_tokens=1024, max_running_requests=8, full_max_total_num_tokens=None,
+            swa_max_total_num_tokens=None, c4_max_total_num_tokens=0,
+            c128_max_total_num_tokens=0, c4_state_pool_size=0, c128_state_pool_size=0,
+            c4_state_dtype=None, c128_state_dtype=None)
+
+    def init_pools(self, **kw):
+        sizes = kw.get("sizes")
+        sized.append(self.max_total_num_tokens if sizes is None else sizes.max_total_num_tokens)
+        assert sizes is None or sizes.max_running_requests == 8  # the rest is kept
+
+    draft_pool_for_logical_ids(init_pools, runner, **kwargs)
     assert sized == [4096 if draft else 1024]
     assert runner.max_total_num_tokens == 1024  # restored for everything after the pools
+    if kwargs:
+        assert kwargs["sizes"].max_total_num_tokens == 1024  # the caller's sizes untouched
 
 
 def test_a_joining_batch_carries_the_draft_state_its_prefill_stashed():

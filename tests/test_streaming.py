@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from dataplane_fixtures import PS, make_req, prefill
+from dataplane_fixtures import PS, make_req, prefill, scheduler_passes_batches
 from test_coordinator import Env
 from sglang_hisparse.adapter.scheduler import (
     scheduler_get_new_batch_prefill,
@@ -39,6 +39,34 @@ def _scheduler(env, running=(), chunked=None, chunk=8192):
                            chunked_prefill_size=chunk)
 
 
+def get_new_batch_prefill(original, s):
+    """Our hook, called as the installed release's scheduler calls
+    ``get_new_batch_prefill`` around ``original(s)`` (0.5.13's shape: the
+    batch or None); the batch formed. 0.5.17 passes the running batch and
+    gets a NextBatchPlan back, whose running batch must be the one passed."""
+    if not scheduler_passes_batches():
+        return scheduler_get_new_batch_prefill(original, s)
+    from sglang.srt.managers.schedule_batch import NextBatchPlan
+
+    def plan(self, running_batch):
+        assert running_batch is getattr(self, "running_batch", None)
+        return NextBatchPlan(batch_to_run=original(self), running_batch=running_batch)
+
+    running = getattr(s, "running_batch", None)
+    result = scheduler_get_new_batch_prefill(plan, s, running)
+    assert result.running_batch is running
+    return result.batch_to_run
+
+
+def get_next_batch_to_run(original, s):
+    """Our hook, called as the installed release's scheduler calls
+    ``get_next_batch_to_run`` around ``original(s)``."""
+    if not scheduler_passes_batches():
+        return scheduler_get_next_batch_to_run(original, s)
+    return scheduler_get_next_batch_to_run(
+        lambda self, running_batch, last_batch: original(self), s, s.running_batch, None)
+
+
 class Original:
     """Stands in for 0.5.13's get_new_batch_prefill; records what it saw."""
 
@@ -57,25 +85,25 @@ def test_one_capped_prefill_batch_per_decode_step_while_requests_decode():
     s = _scheduler(env)
     orig = Original()
     # Nothing decodes: SGLang's own chunk size, back to back.
-    assert scheduler_get_new_batch_prefill(orig, s) == "prefill batch"
-    assert scheduler_get_new_batch_prefill(orig, s) == "prefill batch"
+    assert get_new_batch_prefill(orig, s) == "prefill batch"
+    assert get_new_batch_prefill(orig, s) == "prefill batch"
     assert orig.seen == [(8192, False)] * 2
     s.running_batch.reqs = [make_req("decoding", 100)]
-    assert scheduler_get_new_batch_prefill(orig, s) is None  # the decode step's turn
+    assert get_new_batch_prefill(orig, s) is None  # the decode step's turn
     assert len(orig.seen) == 2  # SGLang was not asked
-    assert scheduler_get_new_batch_prefill(orig, s) == "prefill batch"
+    assert get_new_batch_prefill(orig, s) == "prefill batch"
     assert orig.seen[-1] == (512, False) and s.chunked_prefill_size == 8192  # cap, restored
-    assert scheduler_get_new_batch_prefill(orig, s) is None
+    assert get_new_batch_prefill(orig, s) is None
     orig.result = None  # SGLang formed nothing: the next call may try again
-    assert scheduler_get_new_batch_prefill(orig, s) is None and len(orig.seen) == 4
-    assert scheduler_get_new_batch_prefill(orig, s) is None and len(orig.seen) == 5
+    assert get_new_batch_prefill(orig, s) is None and len(orig.seen) == 4
+    assert get_new_batch_prefill(orig, s) is None and len(orig.seen) == 5
     orig.result = RuntimeError("boom")
     with pytest.raises(RuntimeError):
-        scheduler_get_new_batch_prefill(orig, s)
+        get_new_batch_prefill(orig, s)
     assert s.chunked_prefill_size == 8192  # restored on the way out
     s.chunked_prefill_size = None  # chunked prefill off: nothing to cap
     orig.result = "prefill batch"
-    assert scheduler_get_new_batch_prefill(orig, s) == "prefill batch"
+    assert get_new_batch_prefill(orig, s) == "prefill batch"
     assert orig.seen[-1] == (None, False)
     assert env.coord.streaming.decode_turns == 2
 
@@ -91,11 +119,11 @@ def test_no_new_prompt_while_a_streamed_request_is_parked():
     orig = Original()
     s = _scheduler(env, chunked=make_req("chunked", 2000))
     # The chunked prompt goes on (it holds its rows); the waiting queue is not looked at.
-    assert scheduler_get_new_batch_prefill(orig, s) == "prefill batch"
+    assert get_new_batch_prefill(orig, s) == "prefill batch"
     assert orig.seen == [(8192, True)]
     s.chunked_req = None
     s.running_batch.batch_is_full = False
-    assert scheduler_get_new_batch_prefill(orig, s) is None and len(orig.seen) == 1
+    assert get_new_batch_prefill(orig, s) is None and len(orig.seen) == 1
     assert env.coord.streaming.prompts_held == 2
     env.coord.retract_req(a)
     from dataplane_fixtures import release
@@ -109,10 +137,10 @@ def test_off_leaves_sglang_alone():
     s = _scheduler(env, running=[make_req("decoding", 100)])
     orig = Original()
     for _ in range(3):
-        assert scheduler_get_new_batch_prefill(orig, s) == "prefill batch"
+        assert get_new_batch_prefill(orig, s) == "prefill batch"
     assert orig.seen == [(8192, False)] * 3
     # Without HiSparse the hook is a pass-through too.
-    assert scheduler_get_new_batch_prefill(lambda s: "prefill batch", SimpleNamespace()) \
+    assert get_new_batch_prefill(lambda s: "prefill batch", SimpleNamespace()) \
         == "prefill batch"
 
 
@@ -141,7 +169,7 @@ class Timeline:
             new_token_ratio_tracker=NewTokenRatioTracker(init=0.5, min=0.5, decay=0.0,
                                                          current=0.5),
             max_running_requests=8, req_to_token_pool=env.r2t)
-        self.s.get_new_batch_prefill = lambda: scheduler_get_new_batch_prefill(
+        self.s.get_new_batch_prefill = lambda: get_new_batch_prefill(
             self._form_prefill, self.s)
         self.tokens = {}  # rid -> batch numbers at which it emitted a token
         self.prefill_tokens = []  # per batch: prompt tokens it prefilled (0: decode)
@@ -186,7 +214,7 @@ class Timeline:
         t = 0
         while (s.waiting_queue or s.chunked_req or s.running_batch.reqs
                or env.coord.has_ongoing_staging()):
-            batch = scheduler_get_next_batch_to_run(self._next_batch, s)
+            batch = get_next_batch_to_run(self._next_batch, s)
             t += 1
             assert t < 1000, "no progress"
             running = s.running_batch.reqs

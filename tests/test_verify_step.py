@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from dataplane_fixtures import (
-    PS, decode_batch, get_tag, put_tag, speculative_server_args, t64, verify_locs,
+    PS, decode_batch, get_tag, kv_allocated_len, put_tag, set_kv_allocated_len,
+    speculative_server_args, t64, verify_locs,
 )
 from sglang_hisparse.engine.state import ReqState
 from test_coordinator import TOPK, Env
@@ -45,7 +46,7 @@ needs_spec_reserve_seam = pytest.mark.skipif(
 
 def reserve(env, req, upto):
     """Logical slots for positions [kv_allocated_len, upto) (the spec reserve)."""
-    idx, have = req.req_pool_idx, req.kv_allocated_len
+    idx, have = req.req_pool_idx, kv_allocated_len(req)
     if upto <= have:
         return
     last = env.r2t.req_to_token[idx, have - 1].to(torch.int64).reshape(1)
@@ -53,7 +54,7 @@ def reserve(env, req, upto):
                                         upto - have)
     assert locs is not None
     env.r2t.req_to_token[idx, have:upto] = locs.to(torch.int32)
-    req.kv_allocated_len = upto
+    set_kv_allocated_len(req, upto)
 
 
 def reserved_verify_locs(env, reqs, committed):
@@ -65,7 +66,7 @@ def reserved_verify_locs(env, reqs, committed):
 
 def map_next_step(env, reqs, committed):
     """A step's reserve and ``map_slots``, its forward not run yet."""
-    env.coord.verify.map_slots([r.req_pool_idx for r in reqs], [r.kv_allocated_len for r in reqs],
+    env.coord.verify.map_slots([r.req_pool_idx for r in reqs], [kv_allocated_len(r) for r in reqs],
                                t64(*committed), reserved_verify_locs(env, reqs, committed))
 
 
@@ -92,7 +93,7 @@ def verify_step(env, reqs, committed, gen, accept=None):
     coord, n = env.coord, N
     rpi = [r.req_pool_idx for r in reqs]
     locs = reserved_verify_locs(env, reqs, committed)
-    coord.verify.map_slots(rpi, [r.kv_allocated_len for r in reqs], t64(*committed), locs)
+    coord.verify.map_slots(rpi, [kv_allocated_len(r) for r in reqs], t64(*committed), locs)
     rows = env.alloc.translate_to_physical(locs.reshape(-1))
     assert bool((rows > 0).all()), "a verify slot is unmapped"
     positions = torch.cat([torch.arange(s, s + n) for s in committed])
@@ -150,7 +151,7 @@ def test_a_request_released_between_map_and_commit_is_not_written_back():
     env.coord.collect_ready_reqs()
     locs = reserved_verify_locs(env, (a, b), (300, 200))
     env.coord.verify.map_slots([a.req_pool_idx, b.req_pool_idx],
-                               [a.kv_allocated_len, b.kv_allocated_len], t64(300, 200), locs)
+                               [kv_allocated_len(a), kv_allocated_len(b)], t64(300, 200), locs)
     with speculative_server_args():
         env.finish(a)
     written = env.coord.host_bytes_written
@@ -205,7 +206,7 @@ def test_the_spec_reserve_takes_logical_slots_only(hooked):
             eagle_prepare_for_decode(original, EagleDraftInput(), batch)
         else:
             original(EagleDraftInput(), batch)
-    assert [r.kv_allocated_len for r in reqs] == [320 + 2 * N, 60 + 2 * N]
+    assert [kv_allocated_len(r) for r in reqs] == [320 + 2 * N, 60 + 2 * N]
     assert env.alloc.logical_available_size() < logical
     new = torch.cat([env.r2t.req_to_token[r.req_pool_idx, n:n + 2 * N].to(torch.int64)
                      for r, n in zip(reqs, (320, 60))])
@@ -234,7 +235,7 @@ def test_a_request_without_host_rows_is_not_written_back(monkeypatch):
     monkeypatch.setattr(type(host), "try_alloc_paged_token_slots", no_page_for_a)
     locs = reserved_verify_locs(env, (a, b), (320, 200))
     rpi = [a.req_pool_idx, b.req_pool_idx]
-    env.coord.verify.map_slots(rpi, [a.kv_allocated_len, b.kv_allocated_len], t64(320, 200), locs)
+    env.coord.verify.map_slots(rpi, [kv_allocated_len(a), kv_allocated_len(b)], t64(320, 200), locs)
     assert [rid for rid, _ in drifted] == ["a"] and "verify rows" in drifted[0][1]
     assert int((env.alloc.translate_to_physical(locs[0]) != 0).sum()) == 0
     written = env.coord.host_bytes_written
@@ -282,7 +283,7 @@ def test_residents_verify_in_their_own_rows_then_admission_demotes_one():
     # Rows cover each reserve whole: page_up(kv_allocated_len).
     for r in reqs:
         assert env.coord.requests.record(r.req_pool_idx).resident_rows == \
-            -(-r.kv_allocated_len // PS) * PS
+            -(-kv_allocated_len(r) // PS) * PS
     # A 600-token prompt needs more rows than are free: the largest resident
     # is demoted (its KV up to kv_allocated_len to host) and verifies HOT.
     late = env.staged("late", 600)
@@ -358,7 +359,7 @@ def test_cover_reserve_maps_every_page_of_a_long_reserve_whole():
     a = env.staged("a", 60)
     env.coord.collect_ready_reqs()
     reserve(env, a, 60 + 200)
-    env.coord.residency.cover_reserve([a.req_pool_idx], [a.kv_allocated_len])
+    env.coord.residency.cover_reserve([a.req_pool_idx], [kv_allocated_len(a)])
     assert env.coord.requests.record(a.req_pool_idx).resident_rows == 320
     logical = env.r2t.req_to_token[a.req_pool_idx, :260].to(torch.int64)
     # the last page past kv_allocated_len too (its logical slots follow position 259's)

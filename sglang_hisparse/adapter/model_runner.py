@@ -163,8 +163,9 @@ class HiSparseCoordinator(Coordinator):
     """Drop-in for the release's ``HiSparseCoordinator`` (same constructor:
     0.5.15 adds ``swap_in_block_size``, which arrives in ``engine_options``)."""
 
-    # Where the release keeps a request's prefill length.
+    # Where the release keeps a request's prefill length and allocated length.
     prefill_len = staticmethod(releases.current.prefill_len)
+    kv_allocated_len = staticmethod(releases.current.kv_allocated_len)
 
     def __init__(self, req_to_token_pool, token_to_kv_pool_allocator, top_k: int,
                  device_buffer_size: int, device, tp_group, host_to_device_ratio: int = 2,

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from sglang_hisparse.adapter import releases
+
 
 def eagle_prepare_for_decode(original, self, batch):
     """AROUND ``EagleDraftInputV2Mixin.prepare_for_decode`` (0.5.13
@@ -56,7 +58,7 @@ def map_verify_slots(result, self, req_to_token_pool, batch, target_worker):
     step = _verify_step(batch)
     if step is not None and not batch.forward_mode.is_idle():
         reqs = batch.reqs
-        step.map_slots([r.req_pool_idx for r in reqs], [r.kv_allocated_len for r in reqs],
+        step.map_slots([r.req_pool_idx for r in reqs], [releases.current.kv_allocated_len(r) for r in reqs],
                        batch.seq_lens, batch.out_cache_loc)
     return None
 
@@ -94,9 +96,10 @@ def draft_runner_without_hisparse(self, *args, **kwargs):
     return None
 
 
-def draft_pool_for_logical_ids(original, self):
+def draft_pool_for_logical_ids(original, self, *args, **kwargs):
     """AROUND ``ModelRunnerKVCacheMixin._init_pools`` (0.5.13
-    ``model_runner_kv_cache_mixin.py:292``): the draft runner sizes its pool
+    ``model_runner_kv_cache_mixin.py:292``; 0.5.17: ``KVCacheConfigurator._init_pools``,
+    the sizes an argument): the draft runner sizes its pool
     with the target's device token count, but the shared allocator hands out
     logical slots up to the host-backed logical space, which the draft's
     writes index; its pool spans that space. (Its memory is not in the
@@ -104,10 +107,5 @@ def draft_pool_for_logical_ids(original, self):
     device pool's token count.)"""
     alloc = getattr(self, "token_to_kv_pool_allocator", None)
     if not getattr(self, "is_draft_worker", False) or not hasattr(alloc, "logical_capacity"):
-        return original(self)
-    device_tokens = self.max_total_num_tokens
-    self.max_total_num_tokens = alloc.logical_capacity
-    try:
-        return original(self)
-    finally:
-        self.max_total_num_tokens = device_tokens
+        return original(self, *args, **kwargs)
+    return releases.current.init_pools_sized(original, self, args, kwargs, alloc.logical_capacity)

@@ -293,6 +293,13 @@ class Coordinator:
         release's way."""
         return req.fill_len
 
+    @staticmethod
+    def kv_allocated_len(req) -> int:
+        """How many KV slots the request holds (allocated, committed or not:
+        a speculative reserve runs ahead). 0.5.17 moved it into ``req.kv``;
+        the adapter's coordinator reads it the installed release's way."""
+        return req.kv_allocated_len
+
     def host_token_len(self, kv_allocated_len: int) -> int:
         return kv_allocated_len // self.compress_ratio if self.is_dsv4_hisparse else kv_allocated_len
 
@@ -331,7 +338,7 @@ class Coordinator:
         a step: one loop, state read once."""
         phys = host = 0
         P = self.padded_buffer_size
-        page_up, host_tokens = self._page_up, self.host_token_len
+        page_up, host_tokens, allocated = self._page_up, self.host_token_len, self.kv_allocated_len
         buffer_size, host_len = self.tables.buffer_size_np, self.tables.host_len_np
         # States as locals: an enum member read is an attribute lookup a time.
         resident, joining, parked = _RESIDENT, _RESIDENT_JOINING, _PARKED
@@ -351,7 +358,7 @@ class Coordinator:
                 held = int(buffer_size[idx])
             if held < P:
                 phys += P - held
-            need = page_up(host_tokens(rec.req.kv_allocated_len)) - int(host_len[idx])
+            need = page_up(host_tokens(allocated(rec.req))) - int(host_len[idx])
             if need > 0:
                 host += need
         return phys, host
@@ -373,7 +380,7 @@ class Coordinator:
         for idx, rec in self.requests.records():
             req = rec.req
             held = int(host_len[idx])
-            need = page_up(host_tokens(req.kv_allocated_len)) - held
+            need = page_up(host_tokens(self.kv_allocated_len(req))) - held
             grow = page_up(host_tokens(self._final_len(req, clip))) - held
             reserve += max(need, grow, 0)
         for kept in self.retain.kept():
@@ -421,6 +428,11 @@ class Coordinator:
     @property
     def prefill_demand_installed(self) -> bool:
         return self.parking.installed
+
+    @property
+    def prefill_demand_provider(self):
+        """The installed view of the scheduler (None: none, or parking off)."""
+        return self.parking.provider
 
     def prefill_pending(self) -> bool:
         return self.parking.prefill_pending()
@@ -574,7 +586,7 @@ class Coordinator:
         if self.is_dsv4_hisparse:
             n_logical, size = self.prefill_len(req), self.padded_buffer_size
         else:
-            n_logical = req.kv_allocated_len
+            n_logical = self.kv_allocated_len(req)
             size = self._buffer_size_for(n_logical)
         rows = self.token_to_kv_pool_allocator.alloc_device_buffer(
             self._logical_ids(idx, n_logical), size)
@@ -595,7 +607,7 @@ class Coordinator:
         resumed): a short one is loaded whole, a long one starts empty."""
         if not self.alloc_device_buffer(req):
             return False
-        n = self.host_token_len(req.kv_allocated_len)
+        n = self.host_token_len(self.kv_allocated_len(req))
         if n <= self.device_buffer_size:
             self._preload_to_device_buffer(req, n)
         else:
@@ -917,7 +929,7 @@ class Coordinator:
             pass  # holds no device row; its host rows go below
         elif state.is_resident:
             self.streams.before_release()
-            n = self.prefill_len(req) if state is S.RESIDENT_JOINING else req.kv_allocated_len
+            n = self.prefill_len(req) if state is S.RESIDENT_JOINING else self.kv_allocated_len(req)
             self.residency.unmap_page_tail(idx, n)
             self.token_to_kv_pool_allocator.free_hisparse(self._logical_ids(idx, n))
         else:  # HOT, HOT_JOINING
@@ -927,7 +939,7 @@ class Coordinator:
                 rows = self.req_to_device_buffer[idx, :cap]
                 self.token_to_kv_pool_allocator.free_hisparse_indices(torch.unique(rows[rows > 0]))
             # The hot buffer's rows are freed above; drop the mapping to them.
-            self._mapping()[self._logical_ids(idx, req.kv_allocated_len)] = 0
+            self._mapping()[self._logical_ids(idx, self.kv_allocated_len(req))] = 0
         self.requests.release(req)
         self._reset_slot(idx)
 

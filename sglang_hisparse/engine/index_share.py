@@ -25,7 +25,9 @@ Releases differ at the edges (:class:`RoleRules`, picked per release in
 ``adapter/releases/``): 0.5.13 indexes the pattern by layer id (a pattern
 shorter than the model fails there) and computes ``% None`` for an explicit
 ``index_topk_freq: null``; 0.5.15.post1 makes layers past the pattern's end
-anchors and reads a null freq as 1.
+anchors and reads a null freq as 1; 0.5.17 reads ``cli_factor`` first: when
+it is above 1, layer ``l`` shares iff ``l % cli_factor != 0`` and the other
+fields are not read.
 
 NextN (draft) layers always share in the model, but the draft runs without
 HiSparse, so they are no concern here. :func:`prefetch_off_reason` decides whether
@@ -107,12 +109,15 @@ class RoleRules:
 
     short_pattern_anchors: bool  # layers past index_topk_pattern's end run their indexer
     null_freq_is_one: bool  # index_topk_freq: null reads as 1
+    cli_factor: bool = False  # cli_factor > 1 decides alone (every cli_factor-th layer anchors)
 
 
 # 0.5.13 and .post1 (DeepseekV2AttentionMLA.__init__ inline).
 RULES_0_5_13 = RoleRules(short_pattern_anchors=False, null_freq_is_one=False)
 # 0.5.15.post1 (configs/model_config.py dsa_layer_skips_topk).
 RULES_0_5_15 = RoleRules(short_pattern_anchors=True, null_freq_is_one=True)
+# 0.5.17 (DeepseekV2AttentionMLA.__init__ reads cli_factor before dsa_layer_skips_topk).
+RULES_0_5_17 = RoleRules(short_pattern_anchors=True, null_freq_is_one=True, cli_factor=True)
 
 
 def roles_from_config(config, num_layers: int, rules: RoleRules = RULES_0_5_13) -> LayerRoles:
@@ -121,6 +126,15 @@ def roles_from_config(config, num_layers: int, rules: RoleRules = RULES_0_5_13) 
     module docstring; ``rules``: the release's, ``adapter/releases``'s
     ``index_share_rules()``). A configuration the model code would fail on
     raises :class:`IndexShareConfigError` naming the field."""
+    if rules.cli_factor:
+        factor = getattr(config, "cli_factor", 1)
+        # The model code compares it with 1 (None fails there) and takes layer ids modulo it.
+        if not isinstance(factor, int) or isinstance(factor, bool) or factor < 1:
+            raise IndexShareConfigError(
+                f"cli_factor: expected an integer >= 1, got {factor!r}")
+        if factor > 1:
+            return LayerRoles(tuple(Role.SHARED if layer % factor else Role.ANCHOR
+                                    for layer in range(num_layers)))
     pattern = getattr(config, "index_topk_pattern", None)
     freq = getattr(config, "index_topk_freq", 1)
     if freq is None and rules.null_freq_is_one:

@@ -51,9 +51,9 @@ def arch_context():
     """Without a visible GPU, build for Hopper (sm_90a), the production target."""
     if torch.cuda.is_available():
         return contextlib.nullcontext()
-    from sglang.jit_kernel.utils import override_jit_cuda_arch
+    from sglang_hisparse.adapter import releases
 
-    return override_jit_cuda_arch(9, 0, "a")
+    return releases.current.jit_utils().override_jit_cuda_arch(9, 0, "a")
 
 
 @functools.cache
@@ -62,10 +62,11 @@ def load_module(name: str, source: str, export: str, cpp_class: str, template_ar
     header ``source`` (a file name in jit_csrc/), exported as ``export``.
     Built once per process (and found in tvm-ffi's disk cache after that)."""
     _ensure_cuda_home()
-    from sglang.jit_kernel.utils import load_jit, make_cpp_args
+    from sglang_hisparse.adapter import releases
 
-    args = make_cpp_args(*template_args)
-    return load_jit(
+    jit = releases.current.jit_utils()
+    args = jit.make_cpp_args(*template_args)
+    return jit.load_jit(
         name,
         *args,
         cuda_files=[str(CSRC_DIR / source)],

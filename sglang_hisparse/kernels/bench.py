@@ -103,9 +103,10 @@ def compile_bench_variants(
     import os
     from concurrent.futures import ThreadPoolExecutor
 
-    from sglang.jit_kernel.utils import get_jit_cuda_arch
-
+    from sglang_hisparse.adapter import releases
     from sglang_hisparse.kernels.variants import compile_variants
+
+    get_jit_cuda_arch = releases.current.jit_utils().get_jit_cuda_arch
 
     # The target (sm_90a without a GPU) and the loader's TVM_FFI_CUDA_ARCH_LIST
     # are fixed for the whole pool, so the per-build set/restore of each

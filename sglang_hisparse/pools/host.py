@@ -426,7 +426,8 @@ class HiSparseC4HostPool(PagedHostSlots, HostKVCache):
     def _cuda_copy(self, src_ptrs, dst_ptrs, src_slots, dst_slots):
         """Token-granular C4 copy across layers by pointer arrays.
 
-        Calls SGLang's ``sglang.jit_kernel.hisparse.transfer_cache_dsv4_mla``
+        Calls SGLang's ``transfer_cache_dsv4_mla`` (``sglang.jit_kernel.hisparse``;
+        0.5.17: ``sglang.kernels.ops.kvcache.hisparse``)
         although we never call native HiSparse: despite its module it is a
         plain copy kernel (per token, the 576 B value run and the 8 B scale
         run from one page-padded C4 buffer to another, by per-layer pointer
@@ -437,10 +438,10 @@ class HiSparseC4HostPool(PagedHostSlots, HostKVCache):
         copy of it would add nothing. The CPU path (``_copy_tokens``) is what
         the tests check; this GPU path has not been verified on a GPU yet.
         """
-        from sglang.jit_kernel.hisparse import transfer_cache_dsv4_mla
+        from sglang_hisparse.adapter import releases
 
         dev = self.gpu_device
-        transfer_cache_dsv4_mla(
+        releases.current.hisparse_ops().transfer_cache_dsv4_mla(
             src_ptrs=src_ptrs, dst_ptrs=dst_ptrs,
             src_indices=src_slots.to(device=dev, dtype=torch.int64),
             dst_indices=dst_slots.to(device=dev, dtype=torch.int64),

@@ -9,6 +9,20 @@ A new pin that changes such a thing adds a module and a line to
 
 Every module offers the same names:
 
+* ``kv_allocated_len(req)`` / ``set_kv_allocated_len(req, n)`` - how many
+  KV slots the request holds (0.5.17 moved the field into ``req.kv``);
+* ``call_running_batch(scheduler, args, kwargs)`` - the running batch a
+  ``Scheduler.get_next_batch_to_run`` / ``get_new_batch_prefill`` call works on;
+* ``prefill_batch(result)``, ``no_prefill(running_batch)`` - the batch a
+  ``get_new_batch_prefill`` call formed, what it returns when it forms none;
+* ``init_pools_sized(original, configurator, args, kwargs, n)`` - the
+  release's pool construction with the token pool sized ``n``;
+* ``mla_kv_cache_dim(model_config, kv_cache_dtype, server_args)`` - the
+  release's own MLA row width (elements);
+* ``mla_host_pool_class()`` - SGLang's ``MLATokenToKVPoolHost`` (it moved in 0.5.17);
+* ``jit_utils()``, ``jit_include_dirs()``, ``hisparse_ops()`` - SGLang's JIT
+  kernel loader, the include directories it compiles with, its HiSparse
+  kernel wrappers (``sglang.jit_kernel`` until 0.5.15, ``sglang.kernels`` from 0.5.17);
 * ``prefill_len(req)`` - how far a request's prefill reached (its KV length
   once the prefill ran);
 * ``set_prefill_range(req, start, end)`` - what the prefill scheduler records
@@ -45,6 +59,7 @@ from sglang_hisparse.pinned_source import sglang_version
 _FIRST_RELEASE: tuple[tuple[str, str], ...] = (
     ("0.5.13", "sglang_0_5_13"),
     ("0.5.15.post1", "sglang_0_5_15"),
+    ("0.5.17", "sglang_0_5_17"),
 )
 
 

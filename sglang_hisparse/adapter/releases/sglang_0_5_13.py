@@ -12,6 +12,17 @@ def prefill_len(req) -> int:
     return req.fill_len
 
 
+def kv_allocated_len(req) -> int:
+    # 0.5.13 and 0.5.15 keep it on the request (Req.kv_allocated_len).
+    return req.kv_allocated_len
+
+
+def set_kv_allocated_len(req, n: int) -> None:
+    # What the allocation paths record (tests and the soak build requests
+    # through it).
+    req.kv_allocated_len = n
+
+
 def set_prefill_range(req, start: int, end: int) -> None:
     # As PrefillAdder.add_one_req records a scheduled prefill (0.5.13
     # schedule_policy.py: fill_len, then set_extend_input_len).
@@ -74,3 +85,75 @@ def decode_host_transfer_backends() -> tuple[str, ...]:
 def index_share_rules():
     """How the model code reads the IndexShare fields (0.5.13 indexes index_topk_pattern by layer id (a short pattern fails) and computes with index_topk_freq as given)."""
     return RULES_0_5_13
+
+
+def call_running_batch(scheduler, args, kwargs):
+    """The running batch a ``Scheduler.get_next_batch_to_run`` or
+    ``get_new_batch_prefill`` call works on: 0.5.13 and 0.5.15 take no
+    arguments and read ``self.running_batch``."""
+    return scheduler.running_batch
+
+
+def prefill_batch(result):
+    """The prefill batch a ``get_new_batch_prefill`` call returned (None: none)."""
+    return result
+
+
+def no_prefill(running_batch):
+    """What ``get_new_batch_prefill`` returns when it forms no batch."""
+    return None
+
+
+def init_pools_sized(original, configurator, args, kwargs, max_total_num_tokens: int):
+    """Run the release's pool construction (``ModelRunnerKVCacheMixin._init_pools``)
+    with the token pool sized ``max_total_num_tokens``: it reads the runner's
+    ``max_total_num_tokens``, which is set for the call and restored after."""
+    device_tokens = configurator.max_total_num_tokens
+    configurator.max_total_num_tokens = max_total_num_tokens
+    try:
+        return original(configurator, *args, **kwargs)
+    finally:
+        configurator.max_total_num_tokens = device_tokens
+
+
+def mla_kv_cache_dim(model_config, kv_cache_dtype, server_args) -> int:
+    """The release's own MLA row width in elements (0.5.13 and 0.5.15: a
+    method of the model runner's KV-cache mixin, reading three of its fields)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor.model_runner_kv_cache_mixin import ModelRunnerKVCacheMixin
+
+    runner = SimpleNamespace(model_config=model_config, kv_cache_dtype=kv_cache_dtype,
+                             server_args=server_args)
+    return ModelRunnerKVCacheMixin.calculate_mla_kv_cache_dim(runner)
+
+
+def mla_host_pool_class():
+    """SGLang's MLA host pool class (our DSA host pool derives from it)."""
+    from sglang.srt.mem_cache.memory_pool_host import MLATokenToKVPoolHost
+
+    return MLATokenToKVPoolHost
+
+
+def jit_utils():
+    """SGLang's JIT loader (``load_jit``, ``make_cpp_args``,
+    ``override_jit_cuda_arch``, ``get_jit_cuda_arch``), which builds our
+    kernels against its headers."""
+    import sglang.jit_kernel.utils as utils
+
+    return utils
+
+
+def jit_include_dirs() -> list:
+    """The include directories the JIT loader compiles with (``sgl_kernel/``)."""
+    from sglang.jit_kernel.utils import DEFAULT_INCLUDE
+
+    return list(DEFAULT_INCLUDE)
+
+
+def hisparse_ops():
+    """SGLang's HiSparse kernel wrappers (``transfer_cache_dsv4_mla``: the
+    plain C4 copy our DeepSeek-V4 host pool calls)."""
+    import sglang.jit_kernel.hisparse as ops
+
+    return ops

@@ -28,6 +28,22 @@ from sglang_hisparse.adapter.releases import sglang_0_5_13
 from sglang_hisparse.dsa_backends import dsa_backend_for
 from sglang_hisparse.engine.index_share import RULES_0_5_15
 
+# Unchanged from 0.5.13: the request's allocated length, the scheduler's
+# prefill call, the pool construction seam.
+from sglang_hisparse.adapter.releases.sglang_0_5_13 import (  # noqa: F401
+    call_running_batch,
+    hisparse_ops,
+    init_pools_sized,
+    jit_include_dirs,
+    jit_utils,
+    kv_allocated_len,
+    mla_host_pool_class,
+    mla_kv_cache_dim,
+    no_prefill,
+    prefill_batch,
+    set_kv_allocated_len,
+)
+
 
 def prefill_len(req) -> int:
     return req.extend_range.end

@@ -57,6 +57,10 @@ class Parking:
         self._provider = provider if self.enabled else None
         self.installed = True
 
+    @property
+    def provider(self) -> Optional[Callable[[], PrefillDemand]]:
+        return self._provider
+
     def demand(self) -> Optional[PrefillDemand]:
         return None if self._provider is None else self._provider()
 

@@ -254,7 +254,7 @@ class Residency:
         rec = coord.requests.record(idx)
         req = rec.req
         rows_before = rec.resident_rows
-        n = req.kv_allocated_len - (1 if with_new_token else 0)
+        n = coord.kv_allocated_len(req) - (1 if with_new_token else 0)
         rows = coord._prefix_rows(idx, n)
         if rows is None:
             coord._drift(req, "host pool exhausted while demoting a resident request")

@@ -48,6 +48,7 @@ DeepSeek-V4's compressed pools keep 0.5.13's behaviour (not supported).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
 
@@ -101,6 +102,17 @@ class RetainOnRetract:
         """The retained KV of every retracted request (rows still held)."""
         return self._kept.values()
 
+    @contextmanager
+    def releasing(self):
+        """Retractions inside release every row they hold: the caller will
+        have the KV recomputed, so nothing takes a CPU copy (0.5.17's
+        rebootstrap retraction, ``release_req(offload_kv=False)``)."""
+        enabled, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = enabled
+
     def retains(self, req) -> bool:
         return (self.enabled and getattr(req, "to_finish", None) is None
                 and self.coord.requests.state_of(req) is ReqState.HOT)
@@ -120,7 +132,7 @@ class RetainOnRetract:
         # whole prompt is there already. Write the rest (only ever the newest
         # token) through the same way, as if the next step had begun.
         rec = coord.requests.record(idx)
-        on_host = req.kv_allocated_len - (0 if rec.skip_first_backup else 1)
+        on_host = coord.kv_allocated_len(req) - (0 if rec.skip_first_backup else 1)
         seqs = [pos + 2 for pos in range(max(on_host, 0), need)]
         if seqs:
             dev = coord.req_to_host_pool.device
