@@ -12,6 +12,7 @@ without a GPU, a transfer engine and a process group); nothing is mocked.
 
 import contextlib
 import functools
+import inspect
 import os
 from array import array
 from pathlib import Path
@@ -285,7 +286,17 @@ def prealloc_queue(r2t, alloc, coord, server_args=None):
         scheduler=SimpleNamespace(enable_hisparse=True, hisparse_coordinator=coord,
                                   server_args=server_args),
         queue=[], retracted_queue=[])
-    queue._required_alloc_tokens = MethodType(DecodePreallocQueue._required_alloc_tokens, queue)
+    # _pre_alloc's helpers, the release's own, bound to the stand-in (0.5.17
+    # added the fill length and SWA-tail ones; a static one stays unbound).
+    for name in ("_required_alloc_tokens", "_pre_alloc_fill_len", "_uses_swa_tail_prealloc",
+                 "_swa_tail_len"):
+        if not hasattr(DecodePreallocQueue, name):
+            continue
+        helper = inspect.getattr_static(DecodePreallocQueue, name)
+        setattr(queue, name, helper.__func__ if isinstance(helper, staticmethod)
+                else MethodType(helper, queue))
+    queue.token_to_kv_pool = alloc.get_kvcache()  # what _uses_swa_tail_prealloc asks
+    queue.scheduler.sliding_window_size = None
     return queue
 
 
@@ -340,7 +351,8 @@ def abort_scheduler(coord, r2t, alloc, *, decode, waiting=(), retracted=(), runn
     # (its grammar queue is empty: no backend, one rank)
     grammar = GrammarManager(SimpleNamespace(
         server_args=_server_args_without_tokenizer(), dp_tp_cpu_group=None,
-        dp_tp_group=SimpleNamespace(world_size=1, first_rank=0, is_first_rank=True)))
+        dp_tp_group=SimpleNamespace(world_size=1, first_rank=0, is_first_rank=True),
+        ps=SimpleNamespace(pp_rank=0, pp_size=1), pp_group=None))  # 0.5.17: GrammarManager reads PP
     queue = prealloc_queue(r2t, alloc, coord)
     queue.retracted_queue = list(retracted)
     scheduler = SimpleNamespace(
@@ -353,7 +365,9 @@ def abort_scheduler(coord, r2t, alloc, *, decode, waiting=(), retracted=(), runn
             send_to_detokenizer=SenderWrapper(None), send_metrics_from_scheduler=None),
         disagg_decode_prealloc_queue=queue,
         disagg_decode_transfer_queue=SimpleNamespace(queue=[]),
-        running_batch=ScheduleBatch(reqs=list(running)), cur_batch=None)
+        running_batch=ScheduleBatch(reqs=list(running)), cur_batch=None,
+        # 0.5.17's abort_request also reads these (the PP and dLLM queues)
+        ps=SimpleNamespace(pp_size=1), last_batch=None, dllm_config=None)
     return scheduler, socket.sent
 
 

@@ -100,7 +100,8 @@ class PDNode:
         self.scheduler = SimpleNamespace(
             enable_hisparse=True, hisparse_coordinator=self.coord, server_args=server_args,
             running_batch=self.running, waiting_queue=[], last_batch=None,
-            enable_priority_scheduling=False, enable_decode_hicache=False)
+            enable_priority_scheduling=False, enable_decode_hicache=False,
+            ps=SimpleNamespace(pp_size=1))
         q = object.__new__(DecodePreallocQueue)
         q.__dict__.update(
             req_to_token_pool=self.r2t, token_to_kv_pool_allocator=self.alloc,
@@ -109,7 +110,8 @@ class PDNode:
             req_to_metadata_buffer_idx_allocator=ReqToMetadataIdxAllocator(max_reqs),
             kv_manager=SimpleNamespace(kv_args=SimpleNamespace(state_types=[])),
             num_reserved_decode_tokens=RESERVED, max_total_num_tokens=DEVICE_ROWS * ratio,
-            queue=[], retracted_queue=[], pending_reqs=[])
+            queue=[], retracted_queue=[], pending_reqs=[],
+            pp_size=1)  # 0.5.17's pop_preallocated reads it (set in __init__ from scheduler.ps)
         # what the plugin installs in place of 0.5.13's
         q._pre_alloc = MethodType(patched_pre_alloc(), q)
         self.prealloc = q
