@@ -55,6 +55,7 @@ from typing import Optional
 import torch
 
 from sglang_hisparse.engine.state import ReqState
+from sglang_hisparse.engine.streams import device_index
 
 
 @dataclass
@@ -137,7 +138,7 @@ class RetainOnRetract:
         if seqs:
             dev = coord.req_to_host_pool.device
             coord._eager_backup_previous_token(
-                torch.tensor(seqs, dtype=torch.int64, device=dev),
+                device_index(seqs, dev),
                 torch.full((len(seqs),), idx, dtype=torch.int64, device=dev), seqs, [idx] * len(seqs))
         alloc_len = int(coord.req_to_host_pool_allocated_len[idx])  # whole host pages
         rows = coord.req_to_host_pool[idx, :alloc_len].clone()
