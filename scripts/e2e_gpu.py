@@ -262,6 +262,25 @@ def model_arch(model: str) -> str:
     return "dsv4" if "DeepseekV4ForCausalLM" in (cfg.get("architectures") or []) else "dsa"
 
 
+def mtp_model_and_flags(model: str, logs: Path, spec: str) -> tuple[str, list[str]]:
+    """--mtp STEPS,TOPK,NDT: the model to serve (the kit model's config given
+    one NextN layer, written under LOGS/model-mtp, when it has none; weights
+    are dummy) and the server's EAGLE flags."""
+    try:
+        steps, topk, ndt = (int(x) for x in spec.split(","))
+    except ValueError:
+        raise ValueError(f"--mtp takes STEPS,TOPK,NDT (e.g. 3,1,4), got {spec!r}") from None
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    if not cfg.get("num_nextn_predict_layers"):
+        cfg["num_nextn_predict_layers"] = 1
+        mtp_model = logs / "model-mtp"
+        mtp_model.mkdir(parents=True, exist_ok=True)
+        (mtp_model / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        model = str(mtp_model)
+    return model, ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", str(steps),
+                   "--speculative-eagle-topk", str(topk), "--speculative-num-draft-tokens", str(ndt)]
+
+
 def server_cmd(model: str, port: int, config: str, extra: list[str],
                step_timer_out: Optional[Path] = None,
                step_profile: bool = False, hs_config: Optional[dict] = None,
@@ -1059,20 +1078,10 @@ def main() -> int:
         print(f"index_topk_pattern {served['index_topk_pattern']}", flush=True)
     if args.mtp:
         try:
-            steps, topk, ndt = (int(x) for x in args.mtp.split(","))
-        except ValueError:
-            ap.error(f"--mtp takes STEPS,TOPK,NDT (e.g. 3,1,4), got {args.mtp!r}")
-        cfg = json.loads((Path(args.model) / "config.json").read_text())
-        if not cfg.get("num_nextn_predict_layers"):
-            cfg["num_nextn_predict_layers"] = 1
-            mtp_model = Path(args.logs) / "model-mtp"
-            mtp_model.mkdir(parents=True, exist_ok=True)
-            (mtp_model / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-            args.model = str(mtp_model)
-        opts["server_args"] += ["--speculative-algorithm", "EAGLE",
-                                "--speculative-num-steps", str(steps),
-                                "--speculative-eagle-topk", str(topk),
-                                "--speculative-num-draft-tokens", str(ndt)]
+            args.model, spec_flags = mtp_model_and_flags(args.model, Path(args.logs), args.mtp)
+        except ValueError as exc:
+            ap.error(str(exc))
+        opts["server_args"] += spec_flags
         opts["mtp"] = True
     # A config directory given relative to here must still be found from the
     # servers' own (empty) working directory.

@@ -117,6 +117,12 @@
 #             Run it again with GF_MTP_PERF_CONFIGS=ours,base (opposite
 #             order) and merge here: python3 scripts/e2e_gpu.py --merge
 #             mtpperf_a.json mtpperf_b.json --out mtpperf.json
+#   mtpprof   where an MTP step's time goes: scripts/profile_decode.py --mtp
+#             GF_MTP (1,1,2) on the kit model, configs GF_MTPPROF_CONFIGS
+#             (base,ours: the lone request of mtpperf, 16000-token prompt at
+#             --max-total-tokens 40000; NAME:N sends N requests), 12 steps under
+#             the server's torch profiler, GPU kernels per step side by side.
+#             ~3 min warm.
 #   pd        PD disaggregation (issue #18): scripts/pd_gpu.py on the kit model,
 #             Mooncake from .bundle/mooncake.tar.xz (scripts/pack_mooncake.sh,
 #             here; unpacked by scripts/mooncake_env.sh): a prefill server,
@@ -219,8 +225,8 @@ if [ ${#STAGES[@]} -eq 0 ]; then
   exit 2
 fi
 for s in "${STAGES[@]}"; do
-  case $s in tests|bg-tests|check|fault|e2e|e2e1|e2e2|deep|trace|decode|bound|stream|kbench|mtp|mtpperf|pd|indexshare|dsv4|jit) ;;
-    *) echo "unknown stage $s (tests bg-tests check fault e2e e2e1 e2e2 deep trace decode bound stream kbench mtp mtpperf pd indexshare dsv4 jit)"; exit 2 ;;
+  case $s in tests|bg-tests|check|fault|e2e|e2e1|e2e2|deep|trace|decode|bound|stream|kbench|mtp|mtpperf|mtpprof|pd|indexshare|dsv4|jit) ;;
+    *) echo "unknown stage $s (tests bg-tests check fault e2e e2e1 e2e2 deep trace decode bound stream kbench mtp mtpperf mtpprof pd indexshare dsv4 jit)"; exit 2 ;;
   esac
 done
 [ -f scripts/e2e_gpu.py ] && [ -f .gpu/device_env.sh ] || {
@@ -365,7 +371,7 @@ summarize_stage() {
       grep -E '^\[[a-z0-9-]+\] (ready|FAILED)|^mooncake_env|Traceback' "$f" | cut -c1-300
       sed -n '/^PD summary/,$p' "$f"
       grep -q '^PD summary' "$f" || tail -20 "$f" ;;
-    decode)
+    decode|mtpprof)
       grep -E '^\[[a-z]+\] ' "$f" | cut -c1-300
       sed -n '/^per decode step/,$p' "$f"
       grep -q '^per decode step' "$f" || tail -15 "$f" ;;
@@ -482,6 +488,12 @@ mtpperf_cmd() {
     --out "$RUN/mtpperf.json" --logs "$RUN/mtpperf"
 }
 
+mtpprof_cmd() {
+  python3 scripts/profile_decode.py --mtp "${GF_MTP:-1,1,2}" --port "$PORT" \
+    --configs "${GF_MTPPROF_CONFIGS:-base,ours}" --prompt 16000 --new 1500 --steps 12 --warm-s 1 \
+    --no-stack --extra "--max-total-tokens 40000" --out "$RUN/mtpprof"
+}
+
 indexshare_cmd() {
   local check=(--check --warmup 0)
   [ "${GF_INDEXSHARE_CHECK:-1}" = 0 ] && check=()
@@ -586,6 +598,9 @@ trace_cmd"
     mtpperf)
       run_stage mtpperf 200 560 bash -c "$(declare -f mtpperf_cmd); $(declare -p E2E CPU_ARGS RUN); mtpperf_cmd"
       show mtpperf ;;
+    mtpprof)
+      run_stage mtpprof 150 400 bash -c "$(declare -f mtpprof_cmd); $(declare -p RUN PORT); mtpprof_cmd"
+      show mtpprof ;;
     pd)
       PD_LEFT=$(( BUDGET_S - $(elapsed) - RESERVE - 45 ))
       run_stage pd 240 560 bash -c "$(declare -f pd_cmd); $(declare -p RUN); pd_cmd $(( PD_LEFT < 560 ? PD_LEFT : 560 ))"

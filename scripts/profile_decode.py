@@ -267,6 +267,8 @@ def main(argv=None) -> int:
                          "first shows every request running (or --join-timeout-s passes)")
     ap.add_argument("--join-timeout-s", type=float, default=300.0)
     ap.add_argument("--extra", default="", help="extra server flags")
+    ap.add_argument("--mtp", default=None, metavar="STEPS,TOPK,NDT",
+                    help="EAGLE/MTP as e2e_gpu.py --mtp runs it (the model given a NextN layer)")
     ap.add_argument("--port", type=int, default=30020)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--no-stack", action="store_true",
@@ -274,6 +276,14 @@ def main(argv=None) -> int:
     ap.add_argument("--thread-sample-s", type=float, default=0.0,
                     help="before profiling, sample every thread's CPU use on the machine for this long")
     args = ap.parse_args(argv)
+    args.spec_flags = []
+    if args.mtp:
+        try:
+            args.model, args.spec_flags = e2e_gpu.mtp_model_and_flags(
+                args.model, Path(args.out), args.mtp)
+        except ValueError as exc:
+            ap.error(str(exc))
+        args.model = str(Path(args.model).resolve())
     e2e_gpu.exit_on_sigterm()
     totals: dict = {}
     rc = 0
@@ -309,8 +319,8 @@ def profile_one(args, config: str, totals: dict, reqs: int) -> int:
     os.environ["SGLANG_TORCH_PROFILER_DIR"] = str(prof_dir)
     log = out / f"server_prof_{tag}.log"
     hs_config = json.loads(args.hisparse_config) if args.hisparse_config else None
-    srv = e2e_gpu.Server(args.model, args.port, config, args.extra.split(), log,
-                         synthetic=args.synthetic, hs_config=hs_config)
+    srv = e2e_gpu.Server(args.model, args.port, config, args.extra.split() + args.spec_flags, log,
+                         synthetic=args.synthetic, hs_config=hs_config, mtp=bool(args.mtp))
     try:
         print(f"[{config}] ready in {srv.wait_ready():.0f}s", flush=True)
         results = []

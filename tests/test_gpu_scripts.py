@@ -703,6 +703,25 @@ def test_mtp_configs_and_the_drain_workloads_server(monkeypatch):
     assert "--enable-hisparse" not in base_args and base_env["SGLANG_TEST_RETRACT"] == "1"
 
 
+def test_mtp_model_and_flags_shared_by_e2e_and_the_profiler(tmp_path):
+    e2e = _load("e2e_gpu", SCRIPTS / "e2e_gpu.py")
+    kit = tmp_path / "kit"
+    kit.mkdir()
+    (kit / "config.json").write_text(json.dumps({"num_hidden_layers": 4}))
+    model, flags = e2e.mtp_model_and_flags(str(kit), tmp_path / "logs", "3,1,4")
+    served = json.loads((Path(model) / "config.json").read_text())
+    assert served == {"num_hidden_layers": 4, "num_nextn_predict_layers": 1}
+    assert flags == ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3",
+                     "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
+    # A model that has its NextN layer already is served as it is.
+    assert e2e.mtp_model_and_flags(model, tmp_path / "other", "1,1,2")[0] == model
+    with pytest.raises(ValueError, match="--mtp takes STEPS,TOPK,NDT"):
+        e2e.mtp_model_and_flags(str(kit), tmp_path, "3,1")
+    prof = _load("profile_decode", SCRIPTS / "profile_decode.py")
+    with pytest.raises(SystemExit):  # argparse's error names the flag
+        prof.main(["--mtp", "x", "--model", str(kit), "--out", str(tmp_path)])
+
+
 @pytest.mark.parametrize("probe_gpu,ok", [(640, True), (4800, False)])
 def test_drain_reads_the_pools_from_the_probes_decode_lines(tmp_path, probe_gpu, ok, capsys):
     """The drain workload against a stand-in /generate that writes the log
