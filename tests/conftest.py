@@ -3,6 +3,13 @@
 TRITON_INTERPRET must be set before anything imports triton (SGLang does at
 import time), so it is set here, at the very top, for in-process tests and
 for the subprocesses tests start. CUDA_HOME points the JIT loader at nvcc.
+
+The Hugging Face hub is offline for every test: tests that build
+``ServerArgs(model_path="dummy")`` reach ``get_model_config()`` (the
+IndexShare roles read the model config), and online that is an HTTP lookup
+of a repository named "dummy". Without a network it spent ~23 s per test in
+retries (11 PD tests: ~4 min of a suite); with one it depends on the hub.
+Every model a test builds is a local config directory.
 """
 
 import os
@@ -12,6 +19,7 @@ import textwrap
 from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 if not os.environ.get("CUDA_HOME"):
     for _cand in ("/usr/local/cuda", "/usr/local/cuda-13.0"):
         if Path(_cand, "bin", "nvcc").exists():
