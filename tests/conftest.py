@@ -10,6 +10,12 @@ IndexShare roles read the model config), and online that is an HTTP lookup
 of a repository named "dummy". Without a network it spent ~23 s per test in
 retries (11 PD tests: ~4 min of a suite); with one it depends on the hub.
 Every model a test builds is a local config directory.
+
+Under pytest-xdist each worker gets its share of the cores for torch's
+intra-op threads (OMP_NUM_THREADS, also for the servers and scripts tests
+start): with ``-n 2`` on CI's 2 cores, two workers of 2 threads each made
+every CPU op contend (a CPU soak of 200 steps beside another: 31.5 s with 2
+threads, 19.6 s with 1).
 """
 
 import os
@@ -20,6 +26,11 @@ from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+_XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+if _XDIST_WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _XDIST_WORKERS)))
+    if "torch" in sys.modules:  # imported before this file (by a plugin): too late for the variable
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 if not os.environ.get("CUDA_HOME"):
     for _cand in ("/usr/local/cuda", "/usr/local/cuda-13.0"):
         if Path(_cand, "bin", "nvcc").exists():
