@@ -78,6 +78,17 @@ def dsa_backend_defaults(kv_cache_dtype: str):
     return dsa_backend_for(kv_cache_dtype)
 
 
+def override_server_args(server_args, source: str, fields: dict) -> None:
+    """Change resolved server arguments: the fields, and the same values as
+    the last declaration of the resolution's stash (``_resolved_overrides``),
+    since the checks read a view in which the declarations win over the
+    fields (0.5.15.post1 arg_groups/overrides.py ``resolved_view``)."""
+    sglang_0_5_13.override_server_args(server_args, source, fields)
+    stash = getattr(server_args, "_resolved_overrides", None)
+    if stash is not None:
+        stash.append((source, dict(fields)))
+
+
 def speculative_v2_worker() -> bool:
     # SGLANG_ENABLE_SPEC_V2 is gone: speculative decoding always runs the V2
     # worker (0.5.15.post1 arg_groups/speculative_hook.py:73-80).

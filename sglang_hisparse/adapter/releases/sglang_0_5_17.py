@@ -22,7 +22,14 @@ What changed from 0.5.15.post1 for us (read from the release's source):
   HiSparse kernel wrappers to ``sglang.kernels.ops.kvcache.hisparse``;
 * ``MLATokenToKVPoolHost`` moved to ``mem_cache/pool_host/mla.py``;
 * ``DeepseekV2AttentionMLA.__init__`` reads ``cli_factor`` before the
-  IndexShare fields (``RULES_0_5_17``).
+  IndexShare fields (``RULES_0_5_17``);
+* ``ServerArgs`` is read-only once resolved (``__setattr__`` raises after
+  ``materialize_declarations``): a change after resolution goes through
+  ``ServerArgs.override(source, **fields)``. Ours assign nothing there: the
+  DSA backend defaults are a declaration of the resolution pipeline
+  (``dsa_backend_defaults`` returns the backend), and ``validate_hisparse``
+  reads the ``ResolvedView`` that ``check_server_args`` hands its
+  ``_hisparse_validation`` pass.
 """
 
 from __future__ import annotations
@@ -57,6 +64,14 @@ def set_kv_allocated_len(req, n: int) -> None:
         req.kv = ReqKvInfo(kv_allocated_len=n, swa_evicted_seqlen=0)
     else:
         req.kv.kv_allocated_len = n
+
+
+def override_server_args(server_args, source: str, fields: dict) -> None:
+    """Change resolved server arguments through the release's one
+    post-resolution mutation point (server_args.py ``ServerArgs.override``:
+    resolvable fields also join the declaration stash the checks' view
+    reads, every change is recorded with its ``source``)."""
+    server_args.override(source, **fields)
 
 
 def call_running_batch(scheduler, args, kwargs):
