@@ -13,7 +13,7 @@ NAMES = ("prefill_len", "set_prefill_range", "sparse_config", "native_max_token_
          "dsv4_kv_mode", "decode_host_transfer_backends", "index_share_rules",
          "kv_allocated_len", "set_kv_allocated_len", "call_running_batch", "prefill_batch",
          "no_prefill", "init_pools_sized", "mla_kv_cache_dim", "mla_host_pool_class",
-         "override_server_args")
+         "override_server_args", "dsa_cell_accounting")
 
 
 def test_every_pin_has_a_module_and_each_offers_the_same_names():

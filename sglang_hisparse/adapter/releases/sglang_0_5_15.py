@@ -32,6 +32,7 @@ from sglang_hisparse.engine.index_share import RULES_0_5_15
 # prefill call, the pool construction seam.
 from sglang_hisparse.adapter.releases.sglang_0_5_13 import (  # noqa: F401
     call_running_batch,
+    dsa_cell_accounting,
     hisparse_ops,
     init_pools_sized,
     jit_include_dirs,

@@ -23,6 +23,9 @@ What changed from 0.5.15.post1 for us (read from the release's source):
 * ``MLATokenToKVPoolHost`` moved to ``mem_cache/pool_host/mla.py``;
 * ``DeepseekV2AttentionMLA.__init__`` reads ``cli_factor`` before the
   IndexShare fields (``RULES_0_5_17``);
+* the pool configurator's DSA cell size counts the FP8 latent with its
+  scales and the HiSparse indexer K at ``host_to_device_ratio``
+  (``dsa_cell_accounting``);
 * ``ServerArgs`` is read-only once resolved (``__setattr__`` raises after
   ``materialize_declarations``): a change after resolution goes through
   ``ServerArgs.override(source, **fields)``. Ours assign nothing there: the
@@ -72,6 +75,21 @@ def override_server_args(server_args, source: str, fields: dict) -> None:
     resolvable fields also join the declaration stash the checks' view
     reads, every change is recorded with its ``source``)."""
     server_args.override(source, **fields)
+
+
+def dsa_cell_accounting(hisparse_config_text) -> dict | None:
+    """How the pool configurator charges a DSA token (0.5.17
+    pool_configurator.py:183-239): the latent row as the pool lays it out
+    (``calculate_mla_kv_cache_dim``: with the FP8 scales) and, under
+    HiSparse, the indexer K at host_to_device_ratio (it is sized for the
+    logical space); None where the config does not parse (validation names it)."""
+    from sglang_hisparse.config import HiSparseConfigError, parse_hisparse_config
+
+    try:
+        ratio = parse_hisparse_config(hisparse_config_text).host_to_device_ratio
+    except HiSparseConfigError:
+        return None
+    return dict(indexer_ratio=ratio, latent_with_scales=True)
 
 
 def call_running_batch(scheduler, args, kwargs):
