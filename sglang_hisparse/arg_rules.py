@@ -342,17 +342,22 @@ def dsa_row_bytes(kv_lora_rank: int, qk_rope_head_dim: int, kv_cache_dtype: str)
 
 
 def dsa_device_token_bytes(kv_lora_rank: int, qk_rope_head_dim: int, index_head_dim: int,
-                           kv_cache_dtype: str, layers: int) -> int | None:
+                           kv_cache_dtype: str, layers: int, indexer_ratio: int = 1,
+                           latent_with_scales: bool = False) -> int | None:
     """GPU bytes SGLang's pool configurator charges one token, all layers: the
-    latent (kv_lora_rank + qk_rope_head_dim elements of the KV dtype; it does
-    not count the FP8 scales) plus the indexer K cache, which stays on the
-    GPU only (0.5.13 DefaultPoolConfigurator._compute_cell_size)."""
+    latent (kv_lora_rank + qk_rope_head_dim elements of the KV dtype; 0.5.13
+    does not count the FP8 scales, 0.5.17 counts the row as the pool lays it
+    out: ``latent_with_scales``) plus the indexer K cache, which stays on the
+    GPU only (0.5.13 DefaultPoolConfigurator._compute_cell_size), times
+    ``indexer_ratio`` (0.5.17 charges the HiSparse indexer, sized for the
+    logical space, at host_to_device_ratio)."""
     dtype = canonical_kv_cache_dtype(kv_cache_dtype)
     if dtype not in _KV_ELEMENT_BYTES:
         return None
-    latent = (kv_lora_rank + qk_rope_head_dim) * _KV_ELEMENT_BYTES[dtype]
+    latent = (dsa_row_bytes(kv_lora_rank, qk_rope_head_dim, dtype) if latent_with_scales
+              else (kv_lora_rank + qk_rope_head_dim) * _KV_ELEMENT_BYTES[dtype])
     indexer = index_head_dim + index_head_dim // DSA_QUANT_BLOCK * DSA_SCALE_BYTES
-    return (latent + indexer) * layers
+    return (latent + indexer * indexer_ratio) * layers
 
 
 @dataclass(frozen=True)

@@ -65,14 +65,12 @@ for name, case in cases.items():
     os.environ.update(case.get("env", {}))
     try:
         server_args = prepare_server_args(case["argv"])
-        # Values SGLang's own __post_init__ would reject first, set directly
-        # to reach check_server_args (e.g. what an `assert` under -O lets by).
-        for attr, value in case.get("set", {}).items():
-            setattr(server_args, attr, value)
-        # From 0.5.15 the checks read a view in which the resolution's
-        # declarations win over the fields: the value goes in as the last one.
-        if case.get("set") and getattr(server_args, "_resolved_overrides", None) is not None:
-            server_args._resolved_overrides.append(("test: set", dict(case["set"])))
+        # Values SGLang's own __post_init__ would reject first, set after the
+        # resolution to reach check_server_args (e.g. what an `assert` under
+        # -O lets by), the way the release allows (0.5.17: ServerArgs.override).
+        if case.get("set"):
+            from sglang_hisparse.adapter import releases
+            releases.current.override_server_args(server_args, "test: set", case["set"])
         result["stage"] = "check_server_args"
         server_args.check_server_args()
         result["ok"] = True

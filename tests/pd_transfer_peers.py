@@ -99,6 +99,7 @@ def kv_args(ptrs, lens, item_lens):
     args.state_data_ptrs, args.state_data_lens, args.state_item_lens = [], [], []
     args.page_size = PS
     args.prefill_start_layer = 0
+    args.kv_layer_ids = []  # 0.5.17 reads it (decode.py _init_kv_manager: [] without layer ids)
     return args
 
 
@@ -137,9 +138,10 @@ def decode():
     req = make_req("pd", PROMPT)
     host_rows = pre_alloc(r2t, alloc, coord, req)  # 0.5.13's _pre_alloc
     # decode.py:957-966, 1030: the host rows of the prompt, as pages.
-    kv_indices = host_rows[:PROMPT].cpu().numpy().astype(np.int32)
+    # (a tensor: 0.5.17's kv_to_page_indices takes one and returns numpy,
+    # 0.5.13's indexes whatever it gets)
     page_size = getattr(alloc, "hisparse_page_size", PS)
-    dst_pages = kv_to_page_indices(kv_indices, page_size)
+    dst_pages = kv_to_page_indices(host_rows[:PROMPT].to(torch.int32), page_size)
 
     te = engine()
     ptrs, lens, item_lens = host.get_contiguous_buf_infos()
@@ -182,7 +184,7 @@ def prefill():
 
     dst = listen()
     # prefill.py:999 (send_kv_chunk): the prompt's device rows, as pages.
-    src_pages = kv_to_page_indices(rows[:PROMPT].numpy().astype(np.int32), PS)
+    src_pages = np.asarray(kv_to_page_indices(rows[:PROMPT].to(torch.int32), PS), dtype=np.int32)
     with ThreadPoolExecutor(1) as executor:
         ret = mgr.send_kvcache(dst["session_id"], src_pages, dst["dst_kv_ptrs"],
                                np.asarray(dst["dst_pages"], dtype=np.int32), executor)

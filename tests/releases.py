@@ -75,3 +75,15 @@ def installed_object(target: str):
     from sglang_hisparse.pinned_source import sglang_version
 
     return pkgutil.resolve_name(pins.release_target(target, sglang_version()))
+
+
+# Where the release builds its KV pools and their allocators: the model
+# runner's mixin up to 0.5.15.post1, ``mem_cache/kv_cache_configurator.py``
+# from 0.5.17 (the pin records the move of ``_init_pools``).
+POOL_BUILDER = ("sglang.srt.model_executor.model_runner_kv_cache_mixin."
+                "ModelRunnerKVCacheMixin._init_pools")
+
+
+def pool_builder_module() -> str:
+    """The name of the module that binds the pool classes it constructs."""
+    return installed_object(POOL_BUILDER).__module__

@@ -295,9 +295,11 @@ def test_coordinator_round_trip_through_pool_writes():
 
 # ------------------------------------------------------------ installation
 def test_replace_reaches_model_runner_binding():
-    code = """
-        import json, os
-        import sglang.srt.model_executor.model_runner_kv_cache_mixin as mixin
+    from releases import pool_builder_module
+
+    code = f"""
+        import json, os, importlib
+        mixin = importlib.import_module({pool_builder_module()!r})  # builds the pool
         from sglang_hisparse.plugin import activate
         act = activate()
         from sglang_hisparse.pools.device_dsa import HiSparseDSADevicePool

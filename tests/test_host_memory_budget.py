@@ -86,25 +86,30 @@ def sglang_server_args():
                                                ("fp8_e4m3", torch.float8_e4m3fn)])
 def test_sizes_equal_sglangs_own(sglang_server_args, monkeypatch, dtype, torch_dtype):
     from sglang.srt.model_executor import pool_configurator
-    from sglang.srt.model_executor.model_runner_kv_cache_mixin import ModelRunnerKVCacheMixin
     from sglang.srt.model_executor.pool_configurator import DefaultPoolConfigurator
 
-    # Asked for unconditionally, used only by the non-MLA branch; needs a
-    # process group otherwise.
-    monkeypatch.setattr(pool_configurator, "get_attention_tp_size", lambda: 1)
+    from sglang_hisparse.adapter.releases import current
 
     args = sglang_server_args(kv_cache_dtype=dtype)
     mc = args.get_model_config()
-    # ModelRunner cannot be built without a GPU; these two read only these fields.
+    # ModelRunner (0.5.17: KVCacheConfigurator) cannot be built without a GPU;
+    # the sizing reads only these fields of it.
     runner = SimpleNamespace(model_config=mc, kv_cache_dtype=torch_dtype, server_args=args,
-                             use_mla_backend=True)
-    row = ModelRunnerKVCacheMixin.calculate_mla_kv_cache_dim(runner) * torch_dtype.itemsize
+                             use_mla_backend=True, is_draft_worker=False)
+    row = current.mla_kv_cache_dim(mc, torch_dtype, args) * torch_dtype.itemsize
     assert dsa_row_bytes(mc.kv_lora_rank, mc.qk_rope_head_dim, dtype) == row
+    # The attention TP size it asks for unconditionally (used only by the
+    # non-MLA branch) needs a process group otherwise.
+    if hasattr(pool_configurator, "get_parallel"):  # 0.5.17
+        monkeypatch.setattr(pool_configurator, "get_parallel",
+                            lambda: SimpleNamespace(attn_tp_size=1, attn_cp_size=1))
+    else:
+        monkeypatch.setattr(pool_configurator, "get_attention_tp_size", lambda: 1)
     # (an instance method that reads nothing of its instance)
     cell = DefaultPoolConfigurator._compute_cell_size(None, runner, mc.num_hidden_layers)
     assert dsa_device_token_bytes(mc.kv_lora_rank, mc.qk_rope_head_dim,
-                                  mc.hf_config.index_head_dim, dtype,
-                                  mc.num_hidden_layers) == cell
+                                  mc.hf_config.index_head_dim, dtype, mc.num_hidden_layers,
+                                  **current.dsa_cell_accounting(args.hisparse_config)) == cell
 
 
 @pytest.mark.parametrize("dtype,kv_dim,row", [(torch.bfloat16, 576, 1152),
@@ -301,9 +306,15 @@ def test_inputs_from_real_server_args(sglang_server_args, v32_dir):
                               device_memory_capacity=lambda device: 143771.0)
     assert hs.disaggregation_mode == "null"
     hm = hs.host_memory
+    # What the release's configurator charges a token (test_sizes_equal_sglangs_own):
+    # 0.5.13 (576 + 132) x 4 layers, 0.5.17 (656 + 132 x ratio 2) x 4.
+    from sglang_hisparse.adapter.releases import current
+
     assert hm.layout == HostKVLayout(
         layers=4, host_bytes_per_token_per_layer=656, scales_with_ratio=True,
-        device_token_bytes=(576 + 132) * 4, description="656 B rows x 4 layers")
+        device_token_bytes=dsa_device_token_bytes(
+            512, 64, 128, "fp8_e4m3", 4, **current.dsa_cell_accounting(args.hisparse_config)),
+        description="656 B rows x 4 layers")
     assert (hm.ranks_per_node, hm.available_bytes) == (8, 100 * GIB)
     assert hm.gpu_memory_bytes == H200_BYTES and hm.weight_bytes_per_rank == GIB
     assert hm.mem_fraction_static == args.mem_fraction_static and hm.max_total_tokens is None
@@ -319,11 +330,15 @@ def test_the_check_through_real_server_args(sglang_server_args, v32_dir):
                               hisparse_config='{"host_to_device_ratio": 8}')
     h200 = lambda device: 143771.0  # noqa: E731
     # 4 layers and 1 GiB of weights per rank leave an H200 pool of about 24.8M
-    # tokens: 8 ranks at ratio 8 need about 6.8 TiB.
-    problems, _ = find_problems(hisparse_server_args(args, read_meminfo=meminfo(8000),
+    # tokens: 8 ranks at ratio 8 need about 6.8 TiB (0.5.17, whose configurator
+    # charges the indexer at the ratio: about 14M tokens, 3.9 TiB).
+    hm = hisparse_server_args(args, read_meminfo=meminfo(1), device_memory_capacity=h200).host_memory
+    need_gib = (estimate_host_memory(hm, 8).node_bytes + hm.reserve_bytes) / GIB
+    assert 3500 < need_gib < 7500, need_gib
+    problems, _ = find_problems(hisparse_server_args(args, read_meminfo=meminfo(int(need_gib) + 1),
                                                      device_memory_capacity=h200))
     assert problems == []
-    problems, _ = find_problems(hisparse_server_args(args, read_meminfo=meminfo(6000),
+    problems, _ = find_problems(hisparse_server_args(args, read_meminfo=meminfo(int(need_gib) - 1),
                                                      device_memory_capacity=h200))
     assert len(problems) == 1 and "host_to_device_ratio 8 needs" in problems[0]
     # Without a GPU (SGLang's helper gives None, or raises) nothing is estimated.
@@ -368,19 +383,19 @@ def test_the_shared_count_through_real_server_args(sglang_server_args, v32_dir, 
     args = sglang_server_args(model_path=v32_dir, tp_size=8,
                               hisparse_config='{"host_to_device_ratio": 8}')
     h200 = lambda device: 143771.0  # noqa: E731
-    # About 6.8 TiB for 8 private pools (above); one shared pool is an eighth.
-    problems, _ = find_problems(hisparse_server_args(args, read_meminfo=meminfo(6000),
+    # 3.5 to 7.5 TiB for 8 private pools (above); one shared pool is an eighth.
+    problems, _ = find_problems(hisparse_server_args(args, read_meminfo=meminfo(3000),
                                                      device_memory_capacity=h200))
     assert len(problems) == 1 and "8 ranks per node" in problems[0]
     monkeypatch.setenv("SGLANG_HISPARSE_SHARED_HOST_POOL", "1")
-    hs = hisparse_server_args(args, read_meminfo=meminfo(6000), device_memory_capacity=h200)
+    hs = hisparse_server_args(args, read_meminfo=meminfo(3000), device_memory_capacity=h200)
     assert hs.shared_host_pool and hs.host_memory.ranks_per_host_pool == 8
     assert find_problems(hs)[0] == []
-    problems, _ = find_problems(hisparse_server_args(args, read_meminfo=meminfo(800),
+    problems, _ = find_problems(hisparse_server_args(args, read_meminfo=meminfo(400),
                                                      device_memory_capacity=h200))
     assert len(problems) == 1 and "x 1 host pools per node, each shared by 8" in problems[0]
     monkeypatch.setenv("SGLANG_HISPARSE_SHARED_HOST_POOL", "0")
-    assert hisparse_server_args(args, read_meminfo=meminfo(6000),
+    assert hisparse_server_args(args, read_meminfo=meminfo(3000),
                                 device_memory_capacity=h200).host_memory.ranks_per_host_pool == 1
 
 

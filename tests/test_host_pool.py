@@ -26,10 +26,13 @@ def test_mla_row_bytes_bf16_and_fp8(pool):
 
 
 def test_built_on_hicache_mla_host_pool(pool):
-    from sglang.srt.mem_cache.memory_pool_host import HostKVCache, MLATokenToKVPoolHost
+    from sglang.srt.mem_cache.memory_pool_host import HostKVCache
+
+    from sglang_hisparse.adapter.releases import current
 
     host = HiSparseMLAHostPool(pool, host_to_device_ratio=2, page_size=PS)
-    assert isinstance(host, MLATokenToKVPoolHost) and isinstance(host, HostKVCache)
+    # (0.5.17 moved the MLA host pool to mem_cache/pool_host/mla.py)
+    assert isinstance(host, current.mla_host_pool_class()) and isinstance(host, HostKVCache)
 
 
 def test_paged_token_slots_grow_by_page_and_release(pool):

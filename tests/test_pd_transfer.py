@@ -214,10 +214,11 @@ def test_a_failed_state_transfer_fails_the_request(extra_rc, want):
     Mooncake engine cannot be loaded on a machine without the verbs
     libraries, and the engine-level failure itself is covered above."""
     import threading
+    from collections import defaultdict
     from concurrent.futures import ThreadPoolExecutor
 
     import numpy as np
-    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
     from sglang.srt.disaggregation.common.utils import FastQueue, TransferKVChunk
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager, TransferInfo
 
@@ -226,31 +227,41 @@ def test_a_failed_state_transfer_fails_the_request(extra_rc, want):
     from sglang_hisparse.plugin import check_entry
 
     (entry,) = [e for e in ENTRIES if e.target.endswith("MooncakeKVManager.transfer_worker")]
-    check = check_entry(entry, sglang_version())
-    assert check.ok, check.detail
+    if entry.applies_to(sglang_version()):
+        check = check_entry(entry, sglang_version())
+        assert check.ok, check.detail
+        transfer_worker = check.hook
+    else:  # the release fails the request itself (0.5.17 mooncake/conn.py:1738-1766)
+        assert entry.native_in and not entry.applies_to(entry.native_in)
+        transfer_worker = MooncakeKVManager.transfer_worker
     room, session = 4242, "127.0.0.1:15000"
     mgr = object.__new__(MooncakeKVManager)
     synced = []
+    kv_args = KVArgs()  # 0.5.17 skips the KV send without registered KV buffers
+    kv_args.kv_data_ptrs = [0]
     mgr.__dict__.update(
         enable_trace=False, enable_staging=False, request_status={room: KVPoll.Transferring},
         failure_records={}, failure_lock=threading.Lock(), session_lock=threading.Lock(),
-        failed_sessions=set(), session_failures={}, req_to_decode_prefix_len={},
-        is_mla_backend=True, attn_tp_rank=0, attn_tp_size=1, pp_size=1, pp_rank=0,
+        failed_sessions=set(), session_failures=defaultdict(int), req_to_decode_prefix_len={},
+        is_mla_backend=True, is_hybrid_mla_backend=False, kv_args=kv_args, attn_tp_rank=0, attn_tp_size=1, pp_size=1, pp_rank=0,
         attn_cp_size=1, attn_cp_rank=0, bootstrap_port=8998,
         decode_kv_args_table={session: type("Reg", (), {"dst_kv_ptrs": [0], "dst_aux_ptrs": [0],
-                                                        "dst_attn_tp_size": 1})()},
+                                                        "dst_attn_tp_size": 1,
+                                                        # 0.5.17 reads these too
+                                                        "requires_dcp_relayout": False,
+                                                        "dst_kv_layer_ids": []})()},
         transfer_infos={room: {session: TransferInfo(
             room=room, endpoint="127.0.0.1", dst_port=17000, mooncake_session_id=session,
             dst_kv_indices=np.arange(2, dtype=np.int32), dst_aux_index=0,
             dst_state_indices=[[3, 4]], required_dst_info_num=1, is_dummy=False)}},
-        send_kvcache=lambda *a: 0, send_aux=lambda *a: 0,
-        maybe_send_extra=lambda *a: extra_rc,
+        send_kvcache=lambda *a, **kw: 0, send_aux=lambda *a, **kw: 0,
+        maybe_send_extra=lambda *a, **kw: extra_rc,
         sync_status_to_decode_endpoint=lambda ep, port, r, status, rank: synced.append(status))
     work = FastQueue()
     work.put(TransferKVChunk(room=room, prefill_kv_indices=np.arange(2, dtype=np.int32),
                              index_slice=slice(0, 2), is_last_chunk=True, prefill_aux_index=0,
                              state_indices=[[5, 6]]))
-    worker = threading.Thread(target=check.hook, args=(mgr, work, ThreadPoolExecutor(1)),
+    worker = threading.Thread(target=transfer_worker, args=(mgr, work, ThreadPoolExecutor(1)),
                               daemon=True)
     worker.start()
     for _ in range(500):

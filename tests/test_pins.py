@@ -1,6 +1,6 @@
 """The supported releases as data (patches/sglang-<version>/pin.json): what
 they hold, that the manifest reads its hashes from them, and that the pin of
-every release but the primary one (0.5.13.post1, 0.5.15.post1) is exactly
+every release but the primary one (0.5.13.post1, 0.5.15.post1, 0.5.17) is exactly
 what ``scripts/rebase.py --write`` produces from that release's wheel, which
 doctor then accepts (CI runs the whole suite on the primary and the newest
 pin; these checks are what the others get)."""
@@ -28,6 +28,7 @@ V17 = "0.5.17"
 OTHER_PINS = (
     pytest.param(POST1, "sglang_0_5_13_post1", "0.5.13", id=POST1),
     pytest.param(POST1_15, "sglang_0_5_15_post1", POST1, id=POST1_15),
+    pytest.param(V17, "sglang_0_5_17", POST1_15, id=V17),
 )
 
 
@@ -37,7 +38,7 @@ def _rebase(*args):
 
 
 def test_supported_releases_are_the_pins():
-    assert SUPPORTED_SGLANG_VERSIONS == ("0.5.13", POST1, POST1_15)
+    assert SUPPORTED_SGLANG_VERSIONS == ("0.5.13", POST1, POST1_15, V17)
     assert pins.supported_versions() == SUPPORTED_SGLANG_VERSIONS
     assert pins.version_key("0.5.13") < pins.version_key(POST1) < pins.version_key("0.5.15")
     assert pins.version_key("0.5.15") < pins.version_key(POST1_15) < pins.version_key(V17)
@@ -58,7 +59,7 @@ def test_every_pin_hashes_every_entry_and_the_manifest_reads_them():
         "sglang.srt.models.deepseek_common.attention_forward_methods.forward_mla."
         "DeepseekMLAForwardMixin.should_run_indexer",
         # 0.5.17's pool construction (mem_cache/kv_cache_configurator.py), its
-        # coordinator construction and its PD prealloc helper (no pin yet).
+        # coordinator construction and its PD prealloc helper.
         "sglang.srt.model_executor.model_runner.ModelRunner.maybe_init_hisparse_coordinator",
         "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_dsa_kv_pool",
         "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator."
@@ -207,10 +208,12 @@ def test_a_moved_target_is_offered_confirmed_and_followed(tmp_path):
     assert check.stdout.split() [:2] == ["True", new_place], check.stdout + check.stderr[-2000:]
 
 
-def test_a_renamed_target_is_offered_on_0_5_17(sglang_0_5_17):
+def test_a_renamed_target_is_offered_on_0_5_17(sglang_0_5_17, sglang_0_5_15_post1):
     # 0.5.17 renamed ModelRunner.max_token_pool_size (model_runner.py:1190):
-    # the port from the 0.5.15.post1 pin, repeated (--from).
-    proc = _rebase(str(sglang_0_5_17), "--from", POST1_15)
+    # the port from the 0.5.15.post1 pin, repeated (--from), reading the old
+    # source from that release's wheel: the installed release would give its
+    # own place (0.5.17's pin records the move, offered as "moved?").
+    proc = _rebase(str(sglang_0_5_17), "--from", POST1_15, "--old-root", str(sglang_0_5_15_post1))
     assert proc.returncode == 1
     (line,) = [ln.strip() for ln in proc.stdout.splitlines()
                if ln.strip().startswith("renamed? sglang.srt.model_executor.model_runner."

@@ -12,12 +12,12 @@ NAMES = ("prefill_len", "set_prefill_range", "sparse_config", "native_max_token_
          "dsa_backend_defaults", "speculative_v2_worker", "speculative_seams_wired",
          "dsv4_kv_mode", "decode_host_transfer_backends", "index_share_rules",
          "kv_allocated_len", "set_kv_allocated_len", "call_running_batch", "prefill_batch",
-         "no_prefill", "init_pools_sized", "mla_kv_cache_dim", "mla_host_pool_class")
+         "no_prefill", "init_pools_sized", "mla_kv_cache_dim", "mla_host_pool_class",
+         "override_server_args", "dsa_cell_accounting")
 
 
 def test_every_pin_has_a_module_and_each_offers_the_same_names():
-    # 0.5.17 has its module before its pin (docs/rebase-0.5.17.md: the port in progress).
-    versions = (*SUPPORTED_SGLANG_VERSIONS, "0.5.17")
+    versions = SUPPORTED_SGLANG_VERSIONS
     chosen = {v: releases.module_for(v).__name__.rsplit(".", 1)[1] for v in versions}
     assert chosen == {"0.5.13": "sglang_0_5_13", "0.5.13.post1": "sglang_0_5_13",
                       "0.5.15.post1": "sglang_0_5_15", "0.5.17": "sglang_0_5_17"}

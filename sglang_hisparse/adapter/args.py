@@ -266,16 +266,19 @@ def host_kv_layout(server_args, model_config, family: ModelFamily) -> Optional[H
     if family is ModelFamily.DSA:
         from sglang.srt.configs.model_config import get_dsa_index_head_dim
 
+        from sglang_hisparse.adapter import releases
+
         row = dsa_row_bytes(model_config.kv_lora_rank, model_config.qk_rope_head_dim,
                             server_args.kv_cache_dtype)
         if row is None:
             return None  # the dtype rule reports it
+        cell = releases.current.dsa_cell_accounting(server_args.hisparse_config)
         return HostKVLayout(
             layers=layers, host_bytes_per_token_per_layer=row, scales_with_ratio=True,
-            device_token_bytes=dsa_device_token_bytes(
+            device_token_bytes=None if cell is None else dsa_device_token_bytes(
                 model_config.kv_lora_rank, model_config.qk_rope_head_dim,
                 get_dsa_index_head_dim(model_config.hf_config), server_args.kv_cache_dtype,
-                layers),
+                layers, **cell),
             description=f"{row} B rows x {layers} layers",
         )
     if family is ModelFamily.DEEPSEEK_V4:

@@ -329,7 +329,9 @@ class HostBackedAdmission(BaseTokenToKVPoolAllocator):
         self.is_not_in_free_group = True
         self.free_group = []
 
-    # Two-level state: (logical side, physical side).
+    # Two-level state: (logical side, physical side). Up to 0.5.15.post1 only:
+    # 0.5.17's allocators have no backup_state/restore_state and nothing
+    # calls them (the allocation helpers lost their backup_state argument).
     def backup_state(self):
         return (
             self.logical_attn_allocator.backup_state(),

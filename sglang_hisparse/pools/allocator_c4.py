@@ -29,6 +29,13 @@ and our coordinator (``hisparse_kvcache``, ``compress_ratio``,
 ``free_hisparse``/``free_compressed``, ``free_hisparse_indices``,
 ``hisparse_attn_allocator.alloc``, ``set_reservation_provider``,
 ``attach_host_pool``, ``take_prefill_claim``).
+
+0.5.17's own allocator adds ``alloc_extend_swa_tail`` (a PD decode's
+prealloc of the SWA tail only, taken when the allocator has it:
+``decode.py`` ``_uses_swa_tail_prealloc``). Ours does not offer it, so the
+SWA is allocated at full prompt length as on 0.5.15.post1; with HiSparse that
+path is a DeepSeek-V4 PD decode, which our argument rules refuse
+(``tests/test_dsv4.py`` ``NOT_OFFERED``).
 """
 
 from __future__ import annotations

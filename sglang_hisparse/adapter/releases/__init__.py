@@ -42,6 +42,13 @@ Every module offers the same names:
   (0.5.14's one buffer per layer with the SWA window as a per-request ring);
 * ``decode_host_transfer_backends()`` - the ``--disaggregation-transfer-backend``
   values whose decode side can receive into HiSparse's host pool.
+* ``override_server_args(server_args, source, fields)`` - change server
+  arguments after their resolution, so that the checks read the new values
+  (0.5.17's ``ServerArgs`` is read-only then: ``ServerArgs.override``);
+* ``dsa_cell_accounting(hisparse_config_text)`` - how the pool
+  configurator charges a DSA token when it sizes the device pool
+  (``arg_rules.dsa_device_token_bytes`` keywords; 0.5.17 counts the FP8
+  scales and the HiSparse indexer at host_to_device_ratio);
 * ``index_share_rules()`` - how the model code reads ``index_topk_pattern`` /
   ``index_topk_freq`` at their edges (``engine.index_share.RoleRules``).
 """

@@ -55,6 +55,22 @@ def native_max_token_pool_size(model_runner) -> int:
 dsa_backend_defaults = apply_hisparse_dsa_backend_defaults
 
 
+def override_server_args(server_args, source: str, fields: dict) -> None:
+    """Change resolved server arguments: 0.5.13's ServerArgs is a plain
+    dataclass, its checks read the fields (``source`` names the change in
+    the releases that record one)."""
+    for name, value in fields.items():
+        setattr(server_args, name, value)
+
+
+def dsa_cell_accounting(hisparse_config_text) -> dict:
+    """How the pool configurator charges a DSA token when it sizes the device
+    pool from GPU memory (``arg_rules.dsa_device_token_bytes`` keywords):
+    0.5.13 and 0.5.15.post1 DefaultPoolConfigurator._compute_cell_size count
+    the latent without its FP8 scales and the indexer K once."""
+    return dict(indexer_ratio=1, latent_with_scales=False)
+
+
 def speculative_v2_worker() -> bool:
     # SGLANG_ENABLE_SPEC_V2 (default on) picks the V2 worker; 0 is spec v1.
     from sglang.srt.environ import envs

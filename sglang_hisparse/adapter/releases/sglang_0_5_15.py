@@ -32,6 +32,7 @@ from sglang_hisparse.engine.index_share import RULES_0_5_15
 # prefill call, the pool construction seam.
 from sglang_hisparse.adapter.releases.sglang_0_5_13 import (  # noqa: F401
     call_running_batch,
+    dsa_cell_accounting,
     hisparse_ops,
     init_pools_sized,
     jit_include_dirs,
@@ -76,6 +77,17 @@ def dsa_backend_defaults(kv_cache_dtype: str):
     backends stay unset and validation names the dtype (the release would
     pick flashmla_sparse for it)."""
     return dsa_backend_for(kv_cache_dtype)
+
+
+def override_server_args(server_args, source: str, fields: dict) -> None:
+    """Change resolved server arguments: the fields, and the same values as
+    the last declaration of the resolution's stash (``_resolved_overrides``),
+    since the checks read a view in which the declarations win over the
+    fields (0.5.15.post1 arg_groups/overrides.py ``resolved_view``)."""
+    sglang_0_5_13.override_server_args(server_args, source, fields)
+    stash = getattr(server_args, "_resolved_overrides", None)
+    if stash is not None:
+        stash.append((source, dict(fields)))
 
 
 def speculative_v2_worker() -> bool:

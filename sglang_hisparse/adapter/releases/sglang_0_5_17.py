@@ -22,7 +22,17 @@ What changed from 0.5.15.post1 for us (read from the release's source):
   HiSparse kernel wrappers to ``sglang.kernels.ops.kvcache.hisparse``;
 * ``MLATokenToKVPoolHost`` moved to ``mem_cache/pool_host/mla.py``;
 * ``DeepseekV2AttentionMLA.__init__`` reads ``cli_factor`` before the
-  IndexShare fields (``RULES_0_5_17``).
+  IndexShare fields (``RULES_0_5_17``);
+* the pool configurator's DSA cell size counts the FP8 latent with its
+  scales and the HiSparse indexer K at ``host_to_device_ratio``
+  (``dsa_cell_accounting``);
+* ``ServerArgs`` is read-only once resolved (``__setattr__`` raises after
+  ``materialize_declarations``): a change after resolution goes through
+  ``ServerArgs.override(source, **fields)``. Ours assign nothing there: the
+  DSA backend defaults are a declaration of the resolution pipeline
+  (``dsa_backend_defaults`` returns the backend), and ``validate_hisparse``
+  reads the ``ResolvedView`` that ``check_server_args`` hands its
+  ``_hisparse_validation`` pass.
 """
 
 from __future__ import annotations
@@ -57,6 +67,29 @@ def set_kv_allocated_len(req, n: int) -> None:
         req.kv = ReqKvInfo(kv_allocated_len=n, swa_evicted_seqlen=0)
     else:
         req.kv.kv_allocated_len = n
+
+
+def override_server_args(server_args, source: str, fields: dict) -> None:
+    """Change resolved server arguments through the release's one
+    post-resolution mutation point (server_args.py ``ServerArgs.override``:
+    resolvable fields also join the declaration stash the checks' view
+    reads, every change is recorded with its ``source``)."""
+    server_args.override(source, **fields)
+
+
+def dsa_cell_accounting(hisparse_config_text) -> dict | None:
+    """How the pool configurator charges a DSA token (0.5.17
+    pool_configurator.py:183-239): the latent row as the pool lays it out
+    (``calculate_mla_kv_cache_dim``: with the FP8 scales) and, under
+    HiSparse, the indexer K at host_to_device_ratio (it is sized for the
+    logical space); None where the config does not parse (validation names it)."""
+    from sglang_hisparse.config import HiSparseConfigError, parse_hisparse_config
+
+    try:
+        ratio = parse_hisparse_config(hisparse_config_text).host_to_device_ratio
+    except HiSparseConfigError:
+        return None
+    return dict(indexer_ratio=ratio, latent_with_scales=True)
 
 
 def call_running_batch(scheduler, args, kwargs):
