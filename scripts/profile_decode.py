@@ -283,6 +283,10 @@ def main(argv=None) -> int:
                 args.model, Path(args.out), args.mtp)
         except ValueError as exc:
             ap.error(str(exc))
+    # The servers run in their own empty directory (e2e_gpu.server_cwd): a
+    # config directory given relative to here (or the MTP one under --out)
+    # must be named absolutely, as e2e_gpu.py does.
+    if Path(args.model).exists():
         args.model = str(Path(args.model).resolve())
     e2e_gpu.exit_on_sigterm()
     totals: dict = {}

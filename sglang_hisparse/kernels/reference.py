@@ -97,11 +97,10 @@ from sglang_hisparse.kernels.limits import (  # noqa: F401  (re-exported: the la
 )
 
 
-def _row_byte_index(rows: torch.Tensor, layout: str, row_bytes: int):
-    """(row index, byte columns) addressing every byte of ``rows`` in a pool."""
-    if layout_id(layout) == LAYOUTS["rows"]:
-        cols = torch.arange(row_bytes, device=rows.device)
-        return rows[:, None], cols[None, :].expand(rows.numel(), -1)
+def _c4_byte_index(rows: torch.Tensor):
+    """(page index, byte columns) addressing every byte of the C4 tokens
+    ``rows``: a token's value bytes and its scale bytes sit apart in its page.
+    (The rows layout needs no byte index: a token is a whole pool row.)"""
     page = rows // C4_TOKENS_PER_PAGE
     slot = rows % C4_TOKENS_PER_PAGE
     value = slot[:, None] * C4_VALUE_BYTES + torch.arange(C4_VALUE_BYTES, device=rows.device)
@@ -118,22 +117,18 @@ def read_rows(pool: torch.Tensor, rows: torch.Tensor, layout: str = "rows") -> t
     (``[n, row bytes]``, or ``[n, 584]`` for C4)."""
     rows = rows.to(device=pool.device, dtype=torch.int64).reshape(-1)
     if layout_id(layout) == LAYOUTS["rows"]:
-        # Whole rows: a row gather, not a per-byte one (the same bytes, a
-        # fraction of the time: the CPU soak spent a third of its run here).
+        # Whole rows: a row gather (a per-byte one cost the CPU soak a third
+        # of its run).
         return pool.index_select(0, rows)
-    r, c = _row_byte_index(rows, layout, pool.size(1))
-    return pool[r, c]
+    return pool[_c4_byte_index(rows)]
 
 
 def write_rows(pool: torch.Tensor, rows: torch.Tensor, data: torch.Tensor, layout: str = "rows") -> None:
     rows = rows.to(device=pool.device, dtype=torch.int64).reshape(-1)
     if rows.numel() == 0:
         return
-    if layout_id(layout) == LAYOUTS["rows"]:
-        pool[rows] = data.to(pool.device)
-        return
-    r, c = _row_byte_index(rows, layout, pool.size(1))
-    pool[r, c] = data.to(pool.device)
+    index = rows if layout_id(layout) == LAYOUTS["rows"] else _c4_byte_index(rows)
+    pool[index] = data.to(pool.device)
 
 
 def copy_rows(
