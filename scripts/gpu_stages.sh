@@ -200,6 +200,16 @@
 #                  bash scripts/gpu_stages.sh dsv4; 4. the same with capacity
 #             (a machine given back in between: the stage stops at once
 #             saying so; start again at 1).
+#   pin       another supported pin side by side with the kit's (issue #21):
+#             e2e_gpu.py with configs GF_PIN_CONFIGS (base,native,ours) on
+#             GF_PIN_WORKLOADS (smoke,concurrent,capacity), GF_PIN_REPEATS (1)
+#             rounds of GF_PIN_INNER (3) runs per launch, no check (the
+#             `check` stage is the exactness half): the ratios vs base and
+#             native of whichever SGLang the command runs (GF_SGLANG below).
+#             GF_PIN_BASELINE=JSON: base's runs from an earlier pin.json
+#             instead of launching base (outputs compared; ratios then span
+#             two launches' machines).
+#             ~100 s per launch warm: ~5-6 min.
 #   jit       save_jit_cache: the kernel caches as jitcache.tar.xz (split in
 #             15 MiB parts when larger; not returned above ~45 MiB). Run
 #             last; ~0.5-1 min. Then, here:
@@ -208,6 +218,17 @@
 #   1. bash scripts/gpu_stages.sh bg-tests check fault jit   (~6-7 min)
 #   2. bash scripts/gpu_stages.sh e2e1 deep                  (~8-10 min cold)
 #   3. bash scripts/gpu_stages.sh e2e2                       (~5-7 min)
+# Another pin: GF_SGLANG=0.5.17 runs every stage on sglang 0.5.17 instead of
+# the kit's 0.5.13, from .bundle-0.5.17/ (scripts/pack_pin.sh 0.5.17, here),
+# unpacked once per machine into /tmp/site-0.5.17. Its parts (site.tar.xz.NN,
+# 61 MB with the tree) do not fit one call, so they gather in
+# /tmp/bundle-0.5.17 on the warm machine, the second call within ~30 s:
+#   1. carry [".bundle-0.5.17/site.tar.xz.00"]:
+#      mkdir -p /tmp/bundle-0.5.17 && cp .bundle-0.5.17/site.tar.xz.00 /tmp/bundle-0.5.17/
+#   2. carry [".bundle-0.5.17/site.tar.xz.01", ".bundle-0.5.17/PARTS", ".gpu",
+#      ".bundle/wheels"]: GF_SGLANG=0.5.17 bash scripts/gpu_stages.sh STAGE...
+# Later commands on that machine need only [".gpu"] (and ".bundle/wheels"
+# for the tests). The JIT caches of both pins share $HOME.
 # Environment: GF_BUDGET_S (570), GF_TESTS (test ids for tests/bg-tests
 # instead of the GPU files), GF_E2E_BASE (1; 0: e2e rounds without
 # base), GF_CPUS (e.g. fastest:4: pin e2e servers
@@ -225,8 +246,8 @@ if [ ${#STAGES[@]} -eq 0 ]; then
   exit 2
 fi
 for s in "${STAGES[@]}"; do
-  case $s in tests|bg-tests|check|fault|e2e|e2e1|e2e2|deep|trace|decode|bound|stream|kbench|mtp|mtpperf|mtpprof|pd|indexshare|dsv4|jit) ;;
-    *) echo "unknown stage $s (tests bg-tests check fault e2e e2e1 e2e2 deep trace decode bound stream kbench mtp mtpperf mtpprof pd indexshare dsv4 jit)"; exit 2 ;;
+  case $s in tests|bg-tests|check|fault|e2e|e2e1|e2e2|deep|trace|decode|bound|stream|kbench|mtp|mtpperf|mtpprof|pd|indexshare|dsv4|pin|jit) ;;
+    *) echo "unknown stage $s (tests bg-tests check fault e2e e2e1 e2e2 deep trace decode bound stream kbench mtp mtpperf mtpprof pd indexshare dsv4 pin jit)"; exit 2 ;;
   esac
 done
 [ -f scripts/e2e_gpu.py ] && [ -f .gpu/device_env.sh ] || {
@@ -287,7 +308,35 @@ say "== gpu_stages: stages ${STAGES[*]}; run dir $RUN"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>&1 | sed 's/^/   gpu: /' | tee -a "$SUMMARY"
 
 # --- environment: the kit, this work tree's package, the ref package ---------
+if [ -n "${GF_SGLANG:-}" ]; then
+  # device_env.sh unpacks the kit's bundle when it was carried; its site is
+  # then swapped for this pin's below, whichever was unpacked.
+  PIN_SITE=/tmp/site-$GF_SGLANG
+  if [ ! -f "$PIN_SITE/.ok" ]; then
+    PARTS_DIR=/tmp/bundle-$GF_SGLANG  # parts carried by earlier calls gather here
+    mkdir -p "$PARTS_DIR"
+    cp .bundle-"$GF_SGLANG"/site.tar.xz.* .bundle-"$GF_SGLANG"/PARTS "$PARTS_DIR"/ 2>/dev/null
+    have=$(ls "$PARTS_DIR"/site.tar.xz.* 2>/dev/null | wc -l)
+    want=$(cat "$PARTS_DIR/PARTS" 2>/dev/null || echo "?")
+    if [ "$have" != "$want" ]; then
+      say "== GF_SGLANG=$GF_SGLANG: $have of $want bundle parts on this machine ($PARTS_DIR); carry the rest"
+      exit 1
+    fi
+    mkdir -p "$PIN_SITE"
+    cat "$PARTS_DIR"/site.tar.xz.* | xz -dc -T0 | tar -C "$PIN_SITE" -xf - && touch "$PIN_SITE/.ok"
+  fi
+fi
 source .gpu/device_env.sh
+if [ -n "${GF_SGLANG:-}" ]; then
+  # This pin's kernel caches, brought back by an earlier command's `jit` stage.
+  if [ -f .bundle-"$GF_SGLANG"/jitcache.tar.xz ] && [ ! -f "$PIN_SITE/.jit" ]; then
+    tar -C "$HOME" -xJf .bundle-"$GF_SGLANG"/jitcache.tar.xz && touch "$PIN_SITE/.jit"
+  fi
+  PYTHONPATH=$(echo "$PYTHONPATH" | sed "s#^/tmp/site:#$PIN_SITE:#")
+  LD_LIBRARY_PATH=$(echo "${LD_LIBRARY_PATH:-}" | sed "s#/tmp/site/_libs#$PIN_SITE/_libs#")
+  export PYTHONPATH LD_LIBRARY_PATH
+fi
+say "   sglang $(python3 -c 'import sglang; print(sglang.__version__, "from", sglang.__path__[0])' 2>&1 | tail -1)"
 if declare -F save_jit_cache >/dev/null; then
   # The kit's list plus ~/.tilelang (DeepSeek-V4's mHC kernels, dsv4 stage).
   save_jit_cache() {
@@ -306,6 +355,10 @@ fi
 rm -rf ./*.egg-info build
 export PYTHONPATH="$PROJ${PYTHONPATH:+:$PYTHONPATH}"
 say "== install: $(ls -d "$PROJ"/sglang_hisparse-*.dist-info | xargs -n1 basename) into $PROJ ($(elapsed) s)"
+# Which pin the plugin sees and whether it would install: doctor's verdict.
+python3 -m sglang_hisparse doctor > "$RUN/doctor.out" 2>&1
+say "   doctor (rc $?): $(grep -E '^(sglang |supported|installed)' "$RUN/doctor.out" | paste -sd';' -);" \
+    "entries OK $(grep -cE '^  OK ' "$RUN/doctor.out"), FAIL $(grep -cE '^  FAIL ' "$RUN/doctor.out")"
 
 REF=$REPO/.bundle/ref_pkg
 REF_CONFIGS=""
@@ -508,6 +561,13 @@ indexshare_cmd() {
     ${syn:+--synthetic "$syn"} --out "$RUN/indexshare.json" --logs "$RUN/indexshare"
 }
 
+pin_cmd() {
+  "${E2E[@]}" --configs "${GF_PIN_CONFIGS:-base,native,ours}" \
+    --workloads "${GF_PIN_WORKLOADS:-smoke,concurrent,capacity}" --repeats "${GF_PIN_REPEATS:-1}" \
+    --inner-repeats "${GF_PIN_INNER:-3}" "${CPU_ARGS[@]}" \
+    ${GF_PIN_BASELINE:+--baseline-json "$GF_PIN_BASELINE"} --out "$RUN/pin.json" --logs "$RUN/pin"
+}
+
 kbench_cmd() {
   python3 scripts/bench_kernels.py --quick --json "$RUN/kbench_decode.json"
   python3 scripts/bench_kernels.py --verify 2,4 --json "$RUN/kbench_verify.json"
@@ -624,6 +684,10 @@ trace_cmd"
         show indexshare-tests
       fi
       show indexshare ;;
+    pin)
+      wait_bg
+      run_stage pin 200 560 bash -c "$(declare -f pin_cmd); $(declare -p E2E CPU_ARGS RUN); pin_cmd"
+      show pin ;;
     jit) ;;  # done by finish, after everything else
   esac
 done

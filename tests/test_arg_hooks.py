@@ -105,6 +105,8 @@ def cases_with_plugin(dirs) -> dict:
         "speculative_deepseek_v4": v4(*LINEAR),
         # The development switch for the wired verify seams (before their GPU proof).
         "speculative_experimental": {**dsv32(*LINEAR), "env": {"SGLANG_HISPARSE_EXPERIMENTAL_MTP": "1"}},
+        # The native comparison mode: SGLang's own data plane reads the config.
+        "native_mode_default": {**dsv32(), "env": {"SGLANG_HISPARSE_NATIVE": "1"}},
         "speculative_experimental_tree": {
             **dsv32("--attention-backend", "triton", "--speculative-algorithm", "EAGLE",
                     "--speculative-eagle-topk", "2", "--speculative-num-steps", "3",
@@ -137,6 +139,7 @@ def cases_with_plugin(dirs) -> dict:
 
 
 CASES_WITHOUT_PLUGIN = {
+    "default": dsv32(),
     "invalid_json": dsv32(*config("{bad")),
     "unknown_key": dsv32(*config({"topk": 64})),
     "buffer_below_model_top_k": dsv32(*config({"top_k": 64, "device_buffer_size": 128})),
@@ -406,6 +409,22 @@ def test_sglang_alone_fails_later_or_never(native):
     # runner, leaving a 128-token buffer for 2048 selected tokens.
     sparse = native["buffer_below_model_top_k"]["sparse_config"]
     assert (sparse["top_k"], sparse["device_buffer_size"]) == (64, 128)
+
+
+def test_native_mode_gives_the_release_coordinator_the_release_block_size(ours, native):
+    # From 0.5.15 SparseConfig.swap_in_block_size is the release coordinator's
+    # kernel template argument. Ours leaves it None (our kernel picks); in the
+    # native comparison mode SGLang's own coordinator reads it, and None made
+    # 0.5.17's server die compiling its swap-in (H200, 2026-12-03).
+    theirs = native["default"]["sparse_config"]
+    assert native["default"]["ok"] and ours["native_mode_default"]["ok"]
+    mode = ours["native_mode_default"]["sparse_config"]
+    if "swap_in_block_size" not in theirs:  # 0.5.13: no such field
+        assert "swap_in_block_size" not in mode
+        return
+    assert isinstance(theirs["swap_in_block_size"], int)
+    assert mode["swap_in_block_size"] == theirs["swap_in_block_size"]
+    assert ours["default"]["sparse_config"]["swap_in_block_size"] is None
 
 
 # --- pure rules (no SGLang) ----------------------------------------------

@@ -23,8 +23,10 @@ What changed from 0.5.13 for us (read from the release's source):
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from sglang_hisparse.adapter.releases import sglang_0_5_13
+from sglang_hisparse.config import NATIVE_ENV
 from sglang_hisparse.dsa_backends import dsa_backend_for
 from sglang_hisparse.engine.index_share import RULES_0_5_15
 
@@ -58,9 +60,15 @@ def set_prefill_range(req, start: int, end: int) -> None:
 def sparse_config(config):
     """0.5.13's SparseConfig (swap_in_block_size in sparse_extra_config) with
     the field set too: None unless configured, and our coordinator resolves
-    None to the configured (or the kernel's default) block size."""
-    return dataclasses.replace(sglang_0_5_13.sparse_config(config),
-                               swap_in_block_size=config.swap_in_block_size)
+    None to the configured (or the kernel's default) block size. In the
+    native comparison mode the release's own coordinator reads the field as
+    its kernel's template argument, so unset means the release's default,
+    what its own parser gives."""
+    sparse = sglang_0_5_13.sparse_config(config)
+    block = config.swap_in_block_size
+    if block is None and os.environ.get(NATIVE_ENV) == "1":
+        block = {f.name: f.default for f in dataclasses.fields(sparse)}["swap_in_block_size"]
+    return dataclasses.replace(sparse, swap_in_block_size=block)
 
 
 def native_max_token_pool_size(model_runner) -> int:
