@@ -1272,7 +1272,11 @@ def merge(args) -> int:
     decode = summarize_decode(results, configs, workloads)
     indexshare = summarize_indexshare(summary, decode)
     checks = summarize_checks(launches)
-    spec = summarize_spec(results, configs, workloads) + summarize_mtp_targets(summary)
+    # The MTP targets only for speculative runs (their requests carry accept lengths).
+    speculative = any(q.get("spec_accept_length") is not None for by_w in results.values()
+                      for runs in by_w.values() for r in runs for q in r["requests"])
+    spec = summarize_spec(results, configs, workloads) + (
+        summarize_mtp_targets(summary) if speculative else [])
     drain = summarize_drain(results, configs)
     Path(args.out).write_text(json.dumps({"summary": summary, "decode": decode, "runs": results,
                                           "indexshare": indexshare, "launches": launches,

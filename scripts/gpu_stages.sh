@@ -686,7 +686,7 @@ trace_cmd"
       show indexshare ;;
     pin)
       wait_bg
-      run_stage pin 200 560 bash -c "$(declare -f pin_cmd); $(declare -p E2E CPU_ARGS RUN); pin_cmd"
+      run_stage pin 90 560 bash -c "$(declare -f pin_cmd); $(declare -p E2E CPU_ARGS RUN); pin_cmd"
       show pin ;;
     jit) ;;  # done by finish, after everything else
   esac

@@ -546,7 +546,9 @@ def test_merge_keeps_each_rounds_check_launches(tmp_path, capsys):
     rows = {r["config"]: r for r in merged["summary"] if r["workload"] == "lone"}
     assert list(rows) == ["base", "ref", "ours", "limit"]
     assert rows["ours"]["tok_s_vs_ref"] == 1.0 and rows["ours"]["exactness_vs_ref"]["violations"] == 0
-    assert "x1.00 ref" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "x1.00 ref" in out
+    assert "mtp target" not in out  # no request of these runs speculated
 
 
 def test_decode_only_rate_skips_intervals_with_prefill():
