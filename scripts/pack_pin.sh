@@ -11,12 +11,9 @@
 #
 # The versions below are the pin's Requires-Dist (sglang-VERSION.dist-info/
 # METADATA). EXTRA: what the pin imports at module level that neither the
-# device image nor the kit's list provides. Found by importing the server,
-# scheduler, tokenizer/detokenizer managers, model runner, DeepSeek-V3.2 and
-# NextN models, DSA backend, EAGLE v2 worker and HiSparse coordinator with
-# `python -S` from a directory of links to only the packages the device image
-# (its `pip list`) and the bundle hold; the same walk passes for the kit's
-# 0.5.13 bundle. 0.5.17: xgrammar (server_args -> function_call_parser ->
+# device image nor the kit's list provides, as scripts/bundle_imports.py
+# finds it (run at the end when a local venv of the pin exists, PIN_VENV or
+# .venv*). 0.5.17: xgrammar (server_args -> function_call_parser ->
 # inkling_detector imports it at the top; 0.5.13 imported it lazily).
 #
 # A bundle travels without the kit's (~45 MB): 0.5.17's is 61 MB in two
@@ -72,9 +69,16 @@ unzip -p "/tmp/gpu-bundle-cache-$VERSION"/sglang-"$VERSION"-*.whl "$META" \
         || { echo "pack_pin.sh: the bundle carries $carried, sglang $VERSION pins $ver"; exit 1; }
     done
 OUT=$REPO/.bundle-$VERSION
-rm -rf "$OUT"; mkdir -p "$OUT"
+mkdir -p "$OUT"; rm -f "$OUT"/site.tar.xz.*  # a JIT cache kept there stays
 mv "$WORK/repo/.bundle"/site.tar.xz.* "$OUT/"
 echo "$VERSION" > "$OUT/SGLANG_VERSION"
 ls "$OUT"/site.tar.xz.* | wc -l > "$OUT/PARTS"
 grep -qx "/.bundle-$VERSION/" "$REPO/.git/info/exclude" 2>/dev/null || echo "/.bundle-$VERSION/" >> "$REPO/.git/info/exclude"
 ls -la "$OUT"; du -sh "$OUT"
+# Would the device import the server with this bundle? (needs a venv of the pin)
+for py in ${PIN_VENV:+"$PIN_VENV/bin/python"} "$REPO"/.venv*/bin/python; do
+  [ "$("$py" -c 'import importlib.metadata as m; print(m.version("sglang"))' 2>/dev/null)" = "$VERSION" ] || continue
+  python3 "$REPO/scripts/bundle_imports.py" --python "$py" --bundle "$OUT"
+  exit $?
+done
+echo "pack_pin.sh: no local venv of sglang $VERSION (PIN_VENV): the imports were not checked"

@@ -780,3 +780,18 @@ def test_mtp_targets_from_the_summary(capsys):
     assert [(r["workload"], r["met"]) for r in rows] == [("lone", False), ("capacity", True)]
     out = capsys.readouterr().out
     assert "mtp target lone      ours tpot_vs_base 1.070 (target <= 1.05: NOT met; 2 run(s))" in out
+
+
+def test_bundle_imports_names_the_package_a_device_would_lack(tmp_path):
+    """scripts/bundle_imports.py against this venv: with every distribution
+    on the 'device' SGLang's HTTP server imports; without fastapi it fails
+    and names it (0.5.17's xgrammar was found this way before a device run)."""
+    import importlib.metadata as md
+
+    tool = _load("bundle_imports", SCRIPTS / "bundle_imports.py")
+    every = sorted({tool.norm(d.metadata["Name"]) for d in md.distributions()})
+    args = ["--python", sys.executable, "--modules", "sglang.srt.entrypoints.http_server"]
+    for dists, rc in ((every, 0), ([d for d in every if d != "fastapi"], 1)):
+        listing = tmp_path / f"device-{rc}.txt"
+        listing.write_text("".join(f"{d}==0\n" for d in dists))
+        assert tool.main([*args, "--device-packages", str(listing)]) == rc
