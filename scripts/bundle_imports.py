@@ -46,8 +46,14 @@ SERVER_MODULES = [
     "sglang.srt.models.deepseek_nextn", "sglang.srt.layers.attention.dsa_backend",
     "sglang.srt.speculative.eagle_worker_v2", "sglang.srt.managers.hisparse_coordinator",
 ]
-# DeepSeek-V4 adds its model (srt/layers/mhc.py imports tilelang at the top).
-DSV4_MODULES = ["sglang.srt.models.deepseek_v4"]
+# DeepSeek-V4 adds its model (srt/layers/mhc.py imports tilelang at the top),
+# its attention backend and the CUDA modules of its indexer and compressor.
+DSV4_MODULES = [
+    "sglang.srt.models.deepseek_v4", "sglang.srt.layers.attention.deepseek_v4_backend",
+    "sglang.srt.layers.attention.dsv4.indexer", "sglang.srt.layers.attention.dsv4.compressor",
+    "sglang.srt.layers.attention.dsv4.tilelang_kernel", "sglang.srt.layers.attention.dsv4.metadata",
+    "sglang.srt.mem_cache.deepseek_v4_memory_pool",
+]
 
 _WALK = r"""
 import importlib, json, sys, traceback

@@ -208,7 +208,13 @@
 #             native of whichever SGLang the command runs (GF_SGLANG below).
 #             GF_PIN_BASELINE=JSON: base's runs from an earlier pin.json
 #             instead of launching base (outputs compared; ratios then span
-#             two launches' machines).
+#             two launches' machines). GF_PIN_SGLANG=0.5.13,0.5.17: the same
+#             configurations once per pin in this one command (pin-V.json),
+#             for ratios measured side by side: carry [".bundle", ".gpu"]
+#             on a machine where an earlier GF_SGLANG=0.5.17 command left
+#             /tmp/site-0.5.17 (and its JIT cache), e.g.
+#             GF_PIN_SGLANG=0.5.13,0.5.17 GF_PIN_WORKLOADS=capacity
+#             GF_PIN_INNER=2 GF_CPUS=fastest:4 (6 launches, ~9 min).
 #             ~100 s per launch warm: ~5-6 min.
 #   jit       save_jit_cache: the kernel caches as jitcache.tar.xz (split in
 #             15 MiB parts when larger; not returned above ~45 MiB). Run
@@ -308,6 +314,7 @@ say "== gpu_stages: stages ${STAGES[*]}; run dir $RUN"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>&1 | sed 's/^/   gpu: /' | tee -a "$SUMMARY"
 
 # --- environment: the kit, this work tree's package, the ref package ---------
+KIT_SGLANG=0.5.13  # the kit's bundle (.bundle/site.tar.xz.*, unpacked into /tmp/site)
 if [ -n "${GF_SGLANG:-}" ]; then
   # device_env.sh unpacks the kit's bundle when it was carried; its site is
   # then swapped for this pin's below, whichever was unpacked.
@@ -562,10 +569,30 @@ indexshare_cmd() {
 }
 
 pin_cmd() {
+  # GF_PIN_SGLANG=0.5.13,0.5.17: one e2e_gpu.py call per pin, each on its own
+  # site (the kit's /tmp/site for 0.5.13, /tmp/site-V unpacked by an earlier
+  # GF_SGLANG=V command on this machine); unset: the pin this command runs.
+  local v site rc=0 pins=${GF_PIN_SGLANG:-}
+  for v in ${pins//,/ }; do
+    site=/tmp/site-$v; [ "$v" = "$KIT_SGLANG" ] && site=/tmp/site
+    [ -f "$site/.ok" ] || { echo "pin $v: no $site on this machine (see 'Another pin')"; return 1; }
+  done
+  for v in ${pins//,/ }; do
+    site=/tmp/site-$v; [ "$v" = "$KIT_SGLANG" ] && site=/tmp/site
+    echo "== pin $v ($site)"
+    PYTHONPATH=$(echo "$PYTHONPATH" | sed -E "s#(^|:)/tmp/site(-[^:]*)?:#\1$site:#") \
+      pin_e2e "-$v" || rc=1
+  done
+  [ -n "$pins" ] || pin_e2e "" || rc=1
+  return $rc
+}
+
+pin_e2e() {  # pin_e2e SUFFIX: one e2e_gpu.py call, its JSON and logs named with SUFFIX
+  python3 -c 'import sglang; print("   sglang", sglang.__version__, "from", sglang.__path__[0])'
   "${E2E[@]}" --configs "${GF_PIN_CONFIGS:-base,native,ours}" \
     --workloads "${GF_PIN_WORKLOADS:-smoke,concurrent,capacity}" --repeats "${GF_PIN_REPEATS:-1}" \
     --inner-repeats "${GF_PIN_INNER:-3}" "${CPU_ARGS[@]}" \
-    ${GF_PIN_BASELINE:+--baseline-json "$GF_PIN_BASELINE"} --out "$RUN/pin.json" --logs "$RUN/pin"
+    ${GF_PIN_BASELINE:+--baseline-json "$GF_PIN_BASELINE"} --out "$RUN/pin$1.json" --logs "$RUN/pin$1"
 }
 
 kbench_cmd() {
@@ -686,7 +713,7 @@ trace_cmd"
       show indexshare ;;
     pin)
       wait_bg
-      run_stage pin 90 560 bash -c "$(declare -f pin_cmd); $(declare -p E2E CPU_ARGS RUN); pin_cmd"
+      run_stage pin 90 560 bash -c "$(declare -f pin_cmd pin_e2e); $(declare -p E2E CPU_ARGS RUN KIT_SGLANG); pin_cmd"
       show pin ;;
     jit) ;;  # done by finish, after everything else
   esac

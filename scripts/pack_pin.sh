@@ -4,10 +4,10 @@
 # small-package list, same layout), with the pin's own versions of the
 # packages whose versions SGLang pins exactly. Writes .bundle-VERSION/
 # site.tar.xz.* (ignored), which scripts/gpu_stages.sh unpacks instead of the
-# kit's when GF_SITE_BUNDLE=.bundle-VERSION is set.
+# kit's when GF_SGLANG=VERSION is set.
 #
 # Run HERE, from the repo root (needs PyPI), with the kit copied to .gpu/:
-#   bash scripts/pack_pin.sh 0.5.17            # ~3 min, ~50 MB
+#   bash scripts/pack_pin.sh 0.5.17            # ~3 min, 61 MB
 #
 # The versions below are the pin's Requires-Dist (sglang-VERSION.dist-info/
 # METADATA). EXTRA: what the pin imports at module level that neither the
@@ -55,10 +55,10 @@ done
 for x in ${STRIP[@]+"${STRIP[@]}"}; do
   sed -i "s#^find \"\$S\" -name __pycache__#rm -rf \"\$S\"/$x\n&#" "$SCRIPT"
 done
-# Every exact pin of the release that the kit carries must now be the
-# release's: compare the edited list with the wheel's Requires-Dist.
 EXTRA_PKGS="${EXTRA[*]}" CACHE=/tmp/gpu-bundle-cache-$VERSION STAGE=/tmp/gpu-bundle-stage-$VERSION \
   bash "$SCRIPT" "$WORK/repo"
+# Every exact pin of the release that the kit carries must now be the
+# release's: compare the edited list with the wheel's Requires-Dist.
 META=$(unzip -Z1 "/tmp/gpu-bundle-cache-$VERSION"/sglang-"$VERSION"-*.whl | grep 'dist-info/METADATA$')
 unzip -p "/tmp/gpu-bundle-cache-$VERSION"/sglang-"$VERSION"-*.whl "$META" \
   | sed -n 's/^Requires-Dist: \([A-Za-z0-9_.-]*\)\(\[[a-z0-9]*\]\)\{0,1\}==\([^ ;]*\).*/\1 \3/p' \
