@@ -461,6 +461,27 @@ HOOKS: tuple[Entry, ...] = (
         tests=("tests/test_coordinator.py",),
     ),
     Entry(
+        target="sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator."
+               "_compute_cell_size",
+        kind=Kind.AFTER,
+        sha256=None,
+        scope=Scope.DATA_PLANE,
+        process=Process.SCHEDULER,
+        why=(
+            "0.5.13 sizes the device pool from GPU memory by a per-token cell that counts "
+            "a DSA token's indexer K once; the HiSparse pool holds the indexer for the "
+            "logical space (host_to_device_ratio x the rows), so an auto-sized pool "
+            "over-commits the GPU by (ratio - 1) indexer copies per token and layer."
+        ),
+        native_in="0.5.17",
+        impl="sglang_hisparse.adapter.model_runner:hisparse_indexer_cell_size",
+        upstream="0.5.17 srt/model_executor/pool_configurator.py:183-239 (indexer at the ratio)",
+        removal="drop with the last pin before 0.5.17 (native there)",
+        tests=("tests/test_host_memory_budget.py",),
+        # 0.5.17 charges the ratio itself: no later pin hashes it.
+        until="0.5.15.post1",
+    ),
+    Entry(
         target=f"{_SCHED}.abort_request",
         kind=Kind.AROUND,
         sha256=None,

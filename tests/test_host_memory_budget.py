@@ -82,15 +82,20 @@ def sglang_server_args():
         yield build
 
 
+@pytest.mark.parametrize("ratio", [2, 4])
 @pytest.mark.parametrize("dtype,torch_dtype", [("bfloat16", torch.bfloat16),
                                                ("fp8_e4m3", torch.float8_e4m3fn)])
-def test_sizes_equal_sglangs_own(sglang_server_args, monkeypatch, dtype, torch_dtype):
+def test_sizes_equal_sglangs_own(sglang_server_args, monkeypatch, dtype, torch_dtype, ratio):
     from sglang.srt.model_executor import pool_configurator
     from sglang.srt.model_executor.pool_configurator import DefaultPoolConfigurator
 
+    from sglang_hisparse.adapter.model_runner import hisparse_indexer_cell_size
     from sglang_hisparse.adapter.releases import current
+    from sglang_hisparse.manifest import ENTRIES
+    from sglang_hisparse.pinned_source import sglang_version
 
-    args = sglang_server_args(kv_cache_dtype=dtype)
+    args = sglang_server_args(kv_cache_dtype=dtype,
+                              hisparse_config=json.dumps({"host_to_device_ratio": ratio}))
     mc = args.get_model_config()
     # ModelRunner (0.5.17: KVCacheConfigurator) cannot be built without a GPU;
     # the sizing reads only these fields of it.
@@ -106,7 +111,20 @@ def test_sizes_equal_sglangs_own(sglang_server_args, monkeypatch, dtype, torch_d
     else:
         monkeypatch.setattr(pool_configurator, "get_attention_tp_size", lambda: 1)
     # (an instance method that reads nothing of its instance)
-    cell = DefaultPoolConfigurator._compute_cell_size(None, runner, mc.num_hidden_layers)
+    layers = mc.num_hidden_layers
+    cell = DefaultPoolConfigurator._compute_cell_size(None, runner, layers)
+    # Up to 0.5.15.post1 the release counts the indexer once and our AFTER hook
+    # adds the (ratio - 1) copies the HiSparse pool holds beyond it (its
+    # index_buf_size is host_to_device_ratio x the rows); 0.5.17 counts them.
+    (entry,) = [e for e in ENTRIES if e.impl and e.impl.endswith(":hisparse_indexer_cell_size")]
+    if entry.applies_to(sglang_version()):
+        indexer = mc.hf_config.index_head_dim + mc.hf_config.index_head_dim // 128 * 4
+        hooked = hisparse_indexer_cell_size(cell, None, runner, layers)
+        assert hooked - cell == (ratio - 1) * indexer * layers
+        # The draft's pool is not HiSparse: its count stays the release's.
+        draft = SimpleNamespace(**{**vars(runner), "is_draft_worker": True})
+        assert hisparse_indexer_cell_size(cell, None, draft, layers) is None
+        cell = hooked
     assert dsa_device_token_bytes(mc.kv_lora_rank, mc.qk_rope_head_dim,
                                   mc.hf_config.index_head_dim, dtype, mc.num_hidden_layers,
                                   **current.dsa_cell_accounting(args.hisparse_config)) == cell

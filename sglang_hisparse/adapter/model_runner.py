@@ -207,3 +207,31 @@ def model_runner_max_token_pool_size(self):
     if getattr(self, "enable_hisparse", False) and hasattr(alloc, "logical_capacity"):
         return alloc.logical_capacity
     return releases.current.native_max_token_pool_size(self)
+
+
+def hisparse_indexer_cell_size(cell_size, self, mr, num_layers):
+    """AFTER ``DefaultPoolConfigurator._compute_cell_size`` (0.5.13
+    ``pool_configurator.py:125``): the GPU bytes per token that the device
+    pool is sized by (GPU memory left / cell size) count a DSA token's
+    indexer K once, but under HiSparse the indexer's buffer spans the logical
+    space, host_to_device_ratio x the device rows (pools/device_dsa.py: the
+    indexer scores every token, host-backed ones included). Without the other
+    (ratio - 1) copies an auto-sized pool takes more GPU memory than the
+    configurator gave it, out of what it left for activations. 0.5.17 charges
+    them itself. The draft's pool is not HiSparse and keeps the count."""
+    from sglang.srt.configs.model_config import get_dsa_index_head_dim, is_deepseek_dsa
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+
+    from sglang_hisparse.adapter.args import resolved_hisparse_config
+
+    server_args = mr.server_args
+    if (not server_args.enable_hisparse or getattr(mr, "is_draft_worker", False)
+            or not mr.use_mla_backend or not is_deepseek_dsa(mr.model_config.hf_config)):
+        return None
+    ratio = resolved_hisparse_config(server_args).host_to_device_ratio
+    # One token's indexer K as the release counts it: FP8 K plus an FP32
+    # scale per quant block (the same expression as the release's).
+    head_dim = get_dsa_index_head_dim(mr.model_config.hf_config)
+    per_token = head_dim + head_dim // DSATokenToKVPool.quant_block_size * 4
+    element = DSATokenToKVPool.index_k_with_scale_buffer_dtype.itemsize
+    return cell_size + (ratio - 1) * per_token * num_layers * element

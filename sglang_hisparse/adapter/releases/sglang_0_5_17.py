@@ -37,6 +37,7 @@ What changed from 0.5.15.post1 for us (read from the release's source):
 
 from __future__ import annotations
 
+from sglang_hisparse.adapter.releases import sglang_0_5_13
 from sglang_hisparse.engine.index_share import RULES_0_5_17
 
 # Unchanged from 0.5.15.post1.
@@ -83,13 +84,8 @@ def dsa_cell_accounting(hisparse_config_text) -> dict | None:
     (``calculate_mla_kv_cache_dim``: with the FP8 scales) and, under
     HiSparse, the indexer K at host_to_device_ratio (it is sized for the
     logical space); None where the config does not parse (validation names it)."""
-    from sglang_hisparse.config import HiSparseConfigError, parse_hisparse_config
-
-    try:
-        ratio = parse_hisparse_config(hisparse_config_text).host_to_device_ratio
-    except HiSparseConfigError:
-        return None
-    return dict(indexer_ratio=ratio, latent_with_scales=True)
+    ratio = sglang_0_5_13.configured_ratio(hisparse_config_text)
+    return None if ratio is None else dict(indexer_ratio=ratio, latent_with_scales=True)
 
 
 def call_running_batch(scheduler, args, kwargs):
