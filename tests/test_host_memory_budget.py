@@ -127,7 +127,7 @@ def test_sizes_equal_sglangs_own(sglang_server_args, monkeypatch, dtype, torch_d
         cell = hooked
     assert dsa_device_token_bytes(mc.kv_lora_rank, mc.qk_rope_head_dim,
                                   mc.hf_config.index_head_dim, dtype, mc.num_hidden_layers,
-                                  **current.dsa_cell_accounting(args.hisparse_config)) == cell
+                                  indexer_ratio=ratio, **current.dsa_cell_accounting()) == cell
 
 
 @pytest.mark.parametrize("dtype,kv_dim,row", [(torch.bfloat16, 576, 1152),
@@ -324,14 +324,15 @@ def test_inputs_from_real_server_args(sglang_server_args, v32_dir):
                               device_memory_capacity=lambda device: 143771.0)
     assert hs.disaggregation_mode == "null"
     hm = hs.host_memory
-    # What the release's configurator charges a token (test_sizes_equal_sglangs_own):
-    # 0.5.13 (576 + 132) x 4 layers, 0.5.17 (656 + 132 x ratio 2) x 4.
+    # What the release's configurator charges a token (test_sizes_equal_sglangs_own),
+    # the indexer at the default ratio 2: 0.5.13 (576 + 132 x 2) x 4 layers (our
+    # hook adds the second copy), 0.5.17 (656 + 132 x 2) x 4.
     from sglang_hisparse.adapter.releases import current
 
     assert hm.layout == HostKVLayout(
         layers=4, host_bytes_per_token_per_layer=656, scales_with_ratio=True,
         device_token_bytes=dsa_device_token_bytes(
-            512, 64, 128, "fp8_e4m3", 4, **current.dsa_cell_accounting(args.hisparse_config)),
+            512, 64, 128, "fp8_e4m3", 4, indexer_ratio=2, **current.dsa_cell_accounting()),
         description="656 B rows x 4 layers")
     assert (hm.ranks_per_node, hm.available_bytes) == (8, 100 * GIB)
     assert hm.gpu_memory_bytes == H200_BYTES and hm.weight_bytes_per_rank == GIB

@@ -44,6 +44,7 @@ from sglang_hisparse.config import (
     EXPERIMENTAL_MTP_ENV,
     SHARED_HOST_POOL_ENV,
     HiSparseConfig,
+    HiSparseConfigError,
     env_problems,
 )
 from sglang_hisparse.config import parse_hisparse_config as parse_hisparse_config_text
@@ -272,13 +273,19 @@ def host_kv_layout(server_args, model_config, family: ModelFamily) -> Optional[H
                             server_args.kv_cache_dtype)
         if row is None:
             return None  # the dtype rule reports it
-        cell = releases.current.dsa_cell_accounting(server_args.hisparse_config)
+        # Every pin charges the indexer K at host_to_device_ratio (0.5.17
+        # itself, earlier ones through our cell-size hook); the releases
+        # differ in how they count the latent.
+        try:
+            ratio = parse_hisparse_config_text(server_args.hisparse_config).host_to_device_ratio
+        except HiSparseConfigError:
+            ratio = None  # the config rule reports it
         return HostKVLayout(
             layers=layers, host_bytes_per_token_per_layer=row, scales_with_ratio=True,
-            device_token_bytes=None if cell is None else dsa_device_token_bytes(
+            device_token_bytes=None if ratio is None else dsa_device_token_bytes(
                 model_config.kv_lora_rank, model_config.qk_rope_head_dim,
                 get_dsa_index_head_dim(model_config.hf_config), server_args.kv_cache_dtype,
-                layers, **cell),
+                layers, indexer_ratio=ratio, **releases.current.dsa_cell_accounting()),
             description=f"{row} B rows x {layers} layers",
         )
     if family is ModelFamily.DEEPSEEK_V4:

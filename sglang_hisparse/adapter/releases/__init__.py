@@ -45,7 +45,7 @@ Every module offers the same names:
 * ``override_server_args(server_args, source, fields)`` - change server
   arguments after their resolution, so that the checks read the new values
   (0.5.17's ``ServerArgs`` is read-only then: ``ServerArgs.override``);
-* ``dsa_cell_accounting(hisparse_config_text)`` - how the pool
+* ``dsa_cell_accounting()`` - how the pool
   configurator charges a DSA token when it sizes the device pool
   (``arg_rules.dsa_device_token_bytes`` keywords; 0.5.17 counts the FP8
   scales and the HiSparse indexer at host_to_device_ratio);

@@ -63,26 +63,14 @@ def override_server_args(server_args, source: str, fields: dict) -> None:
         setattr(server_args, name, value)
 
 
-def dsa_cell_accounting(hisparse_config_text) -> dict | None:
-    """How the pool configurator charges a DSA token when it sizes the device
-    pool from GPU memory (``arg_rules.dsa_device_token_bytes`` keywords):
-    0.5.13 and 0.5.15.post1 DefaultPoolConfigurator._compute_cell_size count
-    the latent without its FP8 scales and the indexer K once, and our AFTER
-    hook on it (adapter/model_runner.py hisparse_indexer_cell_size) adds the
-    HiSparse indexer's other copies: host_to_device_ratio in all. None where
-    the config does not parse (validation names it)."""
-    ratio = configured_ratio(hisparse_config_text)
-    return None if ratio is None else dict(indexer_ratio=ratio, latent_with_scales=False)
-
-
-def configured_ratio(hisparse_config_text) -> int | None:
-    """host_to_device_ratio of a --hisparse-config text (None: it does not parse)."""
-    from sglang_hisparse.config import HiSparseConfigError, parse_hisparse_config
-
-    try:
-        return parse_hisparse_config(hisparse_config_text).host_to_device_ratio
-    except HiSparseConfigError:
-        return None
+def dsa_cell_accounting() -> dict:
+    """How the pool configurator charges a DSA token's latent when it sizes
+    the device pool from GPU memory (``arg_rules.dsa_device_token_bytes``
+    keywords): 0.5.13 and 0.5.15.post1 DefaultPoolConfigurator.
+    _compute_cell_size count it without its FP8 scales. (The indexer K is
+    charged at host_to_device_ratio on every pin: here by our AFTER hook on
+    that method, adapter/model_runner.py hisparse_indexer_cell_size.)"""
+    return dict(latent_with_scales=False)
 
 
 def speculative_v2_worker() -> bool:

@@ -37,7 +37,6 @@ What changed from 0.5.15.post1 for us (read from the release's source):
 
 from __future__ import annotations
 
-from sglang_hisparse.adapter.releases import sglang_0_5_13
 from sglang_hisparse.engine.index_share import RULES_0_5_17
 
 # Unchanged from 0.5.15.post1.
@@ -78,14 +77,12 @@ def override_server_args(server_args, source: str, fields: dict) -> None:
     server_args.override(source, **fields)
 
 
-def dsa_cell_accounting(hisparse_config_text) -> dict | None:
-    """How the pool configurator charges a DSA token (0.5.17
-    pool_configurator.py:183-239): the latent row as the pool lays it out
-    (``calculate_mla_kv_cache_dim``: with the FP8 scales) and, under
-    HiSparse, the indexer K at host_to_device_ratio (it is sized for the
-    logical space); None where the config does not parse (validation names it)."""
-    ratio = sglang_0_5_13.configured_ratio(hisparse_config_text)
-    return None if ratio is None else dict(indexer_ratio=ratio, latent_with_scales=True)
+def dsa_cell_accounting() -> dict:
+    """How the pool configurator charges a DSA token's latent (0.5.17
+    pool_configurator.py:183-239): the row as the pool lays it out
+    (``calculate_mla_kv_cache_dim``: with the FP8 scales). It charges the
+    HiSparse indexer K at host_to_device_ratio itself."""
+    return dict(latent_with_scales=True)
 
 
 def call_running_batch(scheduler, args, kwargs):
