@@ -573,12 +573,13 @@ pin_cmd() {
   # site (the kit's /tmp/site for 0.5.13, /tmp/site-V unpacked by an earlier
   # GF_SGLANG=V command on this machine); unset: the pin this command runs.
   local v site rc=0 pins=${GF_PIN_SGLANG:-}
+  pin_site() { if [ "$1" = "$KIT_SGLANG" ]; then echo /tmp/site; else echo "/tmp/site-$1"; fi; }
   for v in ${pins//,/ }; do
-    site=/tmp/site-$v; [ "$v" = "$KIT_SGLANG" ] && site=/tmp/site
+    site=$(pin_site "$v")
     [ -f "$site/.ok" ] || { echo "pin $v: no $site on this machine (see 'Another pin')"; return 1; }
   done
   for v in ${pins//,/ }; do
-    site=/tmp/site-$v; [ "$v" = "$KIT_SGLANG" ] && site=/tmp/site
+    site=$(pin_site "$v")
     echo "== pin $v ($site)"
     PYTHONPATH=$(echo "$PYTHONPATH" | sed -E "s#(^|:)/tmp/site(-[^:]*)?:#\1$site:#") \
       pin_e2e "-$v" || rc=1
