@@ -210,12 +210,13 @@
 #             instead of launching base (outputs compared; ratios then span
 #             two launches' machines). GF_PIN_SGLANG=0.5.13,0.5.17: the same
 #             configurations once per pin in this one command (pin-V.json),
-#             for ratios measured side by side: carry [".bundle", ".gpu"]
-#             on a machine where an earlier GF_SGLANG=0.5.17 command left
-#             /tmp/site-0.5.17 (and its JIT cache), e.g.
-#             GF_PIN_SGLANG=0.5.13,0.5.17 GF_PIN_WORKLOADS=capacity
-#             GF_PIN_INNER=2 GF_CPUS=fastest:4 (6 launches, ~9 min).
-#             ~100 s per launch warm: ~5-6 min.
+#             for ratios measured side by side: carry [".bundle/site.tar.xz.00",
+#             ".bundle/jitcache.tar.xz", ".gpu"] on a machine where an earlier
+#             GF_SGLANG=0.5.17 command left /tmp/site-0.5.17 (and its JIT
+#             cache). Three configs on one workload group (smoke,concurrent
+#             or capacity) take ~270 s warm for one pin, so one command per
+#             pin and group fits; both pins in one command fit two configs
+#             on smoke (~330 s).
 #   jit       save_jit_cache: the kernel caches as jitcache.tar.xz (split in
 #             15 MiB parts when larger; not returned above ~45 MiB). Run
 #             last; ~0.5-1 min. Then, here:
@@ -227,7 +228,7 @@
 # Another pin: GF_SGLANG=0.5.17 runs every stage on sglang 0.5.17 instead of
 # the kit's 0.5.13, from .bundle-0.5.17/ (scripts/pack_pin.sh 0.5.17, here),
 # unpacked once per machine into /tmp/site-0.5.17. Its parts (site.tar.xz.NN,
-# 61 MB with the tree) do not fit one call, so they gather in
+# 61 MB, split at 32 MiB) do not fit one call, so they gather in
 # /tmp/bundle-0.5.17 on the warm machine, the second call within ~30 s:
 #   1. carry [".bundle-0.5.17/site.tar.xz.00"]:
 #      mkdir -p /tmp/bundle-0.5.17 && cp .bundle-0.5.17/site.tar.xz.00 /tmp/bundle-0.5.17/

@@ -70,7 +70,10 @@ unzip -p "/tmp/gpu-bundle-cache-$VERSION"/sglang-"$VERSION"-*.whl "$META" \
     done
 OUT=$REPO/.bundle-$VERSION
 mkdir -p "$OUT"; rm -f "$OUT"/site.tar.xz.*  # a JIT cache kept there stays
-mv "$WORK/repo/.bundle"/site.tar.xz.* "$OUT/"
+# The kit splits at 58 MiB; with this work tree (~6 MB, growing with
+# docs/gpu-runs) a 58 MiB part no longer fits one 64 MiB carry, so the
+# stream is split again at 32 MiB: each part travels in its own call.
+cat "$WORK/repo/.bundle"/site.tar.xz.* | split -b 32m -d - "$OUT/site.tar.xz."
 echo "$VERSION" > "$OUT/SGLANG_VERSION"
 ls "$OUT"/site.tar.xz.* | wc -l > "$OUT/PARTS"
 grep -qx "/.bundle-$VERSION/" "$REPO/.git/info/exclude" 2>/dev/null || echo "/.bundle-$VERSION/" >> "$REPO/.git/info/exclude"

@@ -125,3 +125,5 @@ sglang_0_5_13_post1 = _release_fixture("0.5.13.post1")
 sglang_0_5_15 = _release_fixture("0.5.15")
 sglang_0_5_15_post1 = _release_fixture("0.5.15.post1")
 sglang_0_5_17 = _release_fixture("0.5.17")
+sglang_0_5_19 = _release_fixture("0.5.19")  # releases after the newest pin, for doctor
+sglang_0_5_23 = _release_fixture("0.5.23")

@@ -83,6 +83,43 @@ def test_doctor_lists_what_no_longer_matches_on_0_5_15(sglang_0_5_15):
     assert "scripts/rebase.py" in summary and "--write" in summary
 
 
+# doctor's closing lines, one per kind of work: "    12  hooks to re-read ..."
+_WORK_KINDS = {"entries native": "native", "hooks to": "hooks", "source patches": "patches",
+               "dependencies whose": "dependencies", "targets gone": "gone"}
+
+
+@pytest.mark.parametrize("version", ["0.5.19", "0.5.23"])
+def test_developers_quotes_what_doctor_and_rebase_say_of_a_later_release(
+        version, request, sglang_0_5_17):
+    """DEVELOPERS.md's upgrade procedure quotes, per release after the newest
+    pin, what doctor lists and what rebase.py leaves to a person; both are
+    rerun here against the downloaded wheel, so the text cannot go stale."""
+    import re
+
+    root = request.getfixturevalue("sglang_" + version.replace(".", "_"))
+    out = _doctor("--sglang-root", str(root)).stdout
+    summary = out[out.index(f"to support sglang {version} (rebased from the "):]
+    kernel, torch = re.search(r"requires  sglang-kernel==(\S+), torch==(\S+)\n", summary).groups()
+    work = dict.fromkeys(_WORK_KINDS.values(), 0)
+    for line in summary.splitlines():
+        parts = line.split(None, 1)
+        if len(parts) == 2 and parts[0].isdigit():
+            (kind,) = [k for prefix, k in _WORK_KINDS.items() if parts[1].startswith(prefix)]
+            work[kind] = int(parts[0])
+    rebase = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "rebase.py"), str(root), "--old-root", str(sglang_0_5_17)],
+        capture_output=True, text=True, cwd=str(REPO), timeout=600).stdout
+    for_a_person = int(re.search(r"^(\d+) entries need a human$", rebase, re.M).group(1))
+    reanchored = len(re.findall(r"^  reapply ", rebase, re.M))
+    # The two tools agree: rebase.py leaves to a person what doctor lists,
+    # less the source patches it re-anchored by itself.
+    assert for_a_person == sum(work.values()) - work["native"] - reanchored
+    quoted = (f"- {version}: torch {torch}, sglang-kernel {kernel}; {work['native']} native, "
+              f"{work['hooks']} hooks, {work['patches']} patches, {work['dependencies']} dependencies, "
+              f"{work['gone']} gone; rebase.py: {for_a_person} need a person.")
+    assert quoted in (REPO / "DEVELOPERS.md").read_text()
+
+
 def test_todo_says_what_settles_each_kind_of_failure():
     from sglang_hisparse.doctor import todo
     from sglang_hisparse.manifest import ENTRIES
