@@ -54,3 +54,53 @@ def test_the_checker_sees_an_import():
     # The walk must find a plain `from sglang.srt...` import (or the tests above prove nothing).
     sample = PKG / "adapter" / "sglang_classes.py"
     assert any(m.startswith("sglang.srt.") for m in _imports(sample))
+
+
+# What may ask which SGLang runs: the pin data and its checks (manifest,
+# pins, the loader, doctor) and the table that picks a release module.
+# Everything else reads per-release behaviour from the release modules
+# (adapter/releases/sglang_*.py), so a new pin is one module, not version
+# checks spread through the engine.
+_VERSION_AWARE = {"__init__.py", "manifest.py", "pins.py", "pinned_source.py", "plugin.py",
+                  "doctor.py", "adapter/releases/__init__.py"}
+_RELEASE = r"^0\.5\.\d+"
+
+
+def _version_reads(path: Path):
+    import re
+
+    tree = ast.parse(path.read_text(), filename=str(path))
+    docstrings = {
+        id(node.body[0].value) for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id == "sglang_version":
+            yield f"{node.lineno}: sglang_version"
+        elif isinstance(node, ast.Attribute) and node.attr in ("sglang_version", "__version__"):
+            yield f"{node.lineno}: .{node.attr}"
+        elif (isinstance(node, ast.Constant) and isinstance(node.value, str)
+              and id(node) not in docstrings and re.match(_RELEASE, node.value)):
+            yield f"{node.lineno}: {node.value!r}"
+
+
+def test_only_the_pin_data_and_the_release_table_ask_which_sglang_runs():
+    offenders = [
+        f"{p.relative_to(PKG)}:{read}"
+        for p in _modules()
+        if p.relative_to(PKG).as_posix() not in _VERSION_AWARE
+        and not p.relative_to(PKG).as_posix().startswith("adapter/releases/sglang_")
+        for read in _version_reads(p)
+    ]
+    assert offenders == []
+
+
+def test_the_version_scan_sees_a_version_check(tmp_path):
+    # A release comparison written into engine code must be found.
+    sample = tmp_path / "sample.py"
+    sample.write_text('"""Docs may name 0.5.13."""\n'
+                      "from sglang_hisparse.pinned_source import sglang_version\n"
+                      "if sglang_version() >= '0.5.15':\n    pass\n")
+    assert sorted(r.split(": ", 1)[1] for r in _version_reads(sample)) == ["'0.5.15'", "sglang_version"]
