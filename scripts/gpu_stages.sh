@@ -316,6 +316,14 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>&1 
 
 # --- environment: the kit, this work tree's package, the ref package ---------
 KIT_SGLANG=0.5.13  # the kit's bundle (.bundle/site.tar.xz.*, unpacked into /tmp/site)
+# use_site SITE: the Python and library paths name SITE (a pin's unpacked
+# bundle: /tmp/site or /tmp/site-V) instead of whichever pin's site they
+# named; both paths, so a pin never runs on another pin's libraries.
+use_site() {
+  PYTHONPATH=$(echo "$PYTHONPATH" | sed -E "s#(^|:)/tmp/site(-[^:/]*)?(:|\$)#\1$1\3#")
+  LD_LIBRARY_PATH=$(echo "${LD_LIBRARY_PATH:-}" | sed -E "s#(^|:)/tmp/site(-[^:/]*)?/_libs#\1$1/_libs#")
+  export PYTHONPATH LD_LIBRARY_PATH
+}
 if [ -n "${GF_SGLANG:-}" ]; then
   # device_env.sh unpacks the kit's bundle when it was carried; its site is
   # then swapped for this pin's below, whichever was unpacked.
@@ -340,9 +348,7 @@ if [ -n "${GF_SGLANG:-}" ]; then
   if [ -f .bundle-"$GF_SGLANG"/jitcache.tar.xz ] && [ ! -f "$PIN_SITE/.jit" ]; then
     tar -C "$HOME" -xJf .bundle-"$GF_SGLANG"/jitcache.tar.xz && touch "$PIN_SITE/.jit"
   fi
-  PYTHONPATH=$(echo "$PYTHONPATH" | sed "s#^/tmp/site:#$PIN_SITE:#")
-  LD_LIBRARY_PATH=$(echo "${LD_LIBRARY_PATH:-}" | sed "s#/tmp/site/_libs#$PIN_SITE/_libs#")
-  export PYTHONPATH LD_LIBRARY_PATH
+  use_site "$PIN_SITE"
 fi
 say "   sglang $(python3 -c 'import sglang; print(sglang.__version__, "from", sglang.__path__[0])' 2>&1 | tail -1)"
 if declare -F save_jit_cache >/dev/null; then
@@ -582,8 +588,7 @@ pin_cmd() {
   for v in ${pins//,/ }; do
     site=$(pin_site "$v")
     echo "== pin $v ($site)"
-    PYTHONPATH=$(echo "$PYTHONPATH" | sed -E "s#(^|:)/tmp/site(-[^:]*)?:#\1$site:#") \
-      pin_e2e "-$v" || rc=1
+    ( use_site "$site" && pin_e2e "-$v" ) || rc=1
   done
   [ -n "$pins" ] || pin_e2e "" || rc=1
   return $rc
@@ -715,7 +720,7 @@ trace_cmd"
       show indexshare ;;
     pin)
       wait_bg
-      run_stage pin 90 560 bash -c "$(declare -f pin_cmd pin_e2e); $(declare -p E2E CPU_ARGS RUN KIT_SGLANG); pin_cmd"
+      run_stage pin 90 560 bash -c "$(declare -f pin_cmd pin_e2e use_site); $(declare -p E2E CPU_ARGS RUN KIT_SGLANG); pin_cmd"
       show pin ;;
     jit) ;;  # done by finish, after everything else
   esac

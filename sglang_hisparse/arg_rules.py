@@ -341,6 +341,13 @@ def dsa_row_bytes(kv_lora_rank: int, qk_rope_head_dim: int, kv_cache_dtype: str)
     return None
 
 
+def dsa_indexer_token_bytes(index_head_dim: int) -> int:
+    """Bytes of one token's indexer K in one layer (GPU only): FP8 values plus
+    one float32 scale per quant block, as 0.5.13's DSATokenToKVPool and its
+    pool configurator count it."""
+    return index_head_dim + index_head_dim // DSA_QUANT_BLOCK * DSA_SCALE_BYTES
+
+
 def dsa_device_token_bytes(kv_lora_rank: int, qk_rope_head_dim: int, index_head_dim: int,
                            kv_cache_dtype: str, layers: int, indexer_ratio: int = 1,
                            latent_with_scales: bool = False) -> int | None:
@@ -356,8 +363,7 @@ def dsa_device_token_bytes(kv_lora_rank: int, qk_rope_head_dim: int, index_head_
         return None
     latent = (dsa_row_bytes(kv_lora_rank, qk_rope_head_dim, dtype) if latent_with_scales
               else (kv_lora_rank + qk_rope_head_dim) * _KV_ELEMENT_BYTES[dtype])
-    indexer = index_head_dim + index_head_dim // DSA_QUANT_BLOCK * DSA_SCALE_BYTES
-    return (latent + indexer * indexer_ratio) * layers
+    return (latent + dsa_indexer_token_bytes(index_head_dim) * indexer_ratio) * layers
 
 
 @dataclass(frozen=True)

@@ -795,3 +795,23 @@ def test_bundle_imports_names_the_package_a_device_would_lack(tmp_path):
         listing = tmp_path / f"device-{rc}.txt"
         listing.write_text("".join(f"{d}==0\n" for d in dists))
         assert tool.main([*args, "--device-packages", str(listing)]) == rc
+
+
+@pytest.mark.parametrize("before", ["/tmp/site", "/tmp/site-0.5.17"])
+def test_use_site_points_both_paths_at_one_pin(before):
+    """gpu_stages.sh's use_site: a command on another pin (GF_SGLANG) and each
+    pin of the pin stage (GF_PIN_SGLANG) swap the site on the Python path and
+    the library path, whichever pin's site was there, and nothing else."""
+    import re
+    import subprocess
+
+    text = (SCRIPTS / "gpu_stages.sh").read_text()
+    function = re.search(r"^use_site\(\) \{\n.*?^\}\n", text, re.M | re.S).group(0)
+    # The site first (device_env.sh's order) or after our package (the pin stage's).
+    for site, ahead in [(s, a) for s in ("/tmp/site-0.5.17", "/tmp/site") for a in ("", "/tmp/proj:")]:
+        env = {"PATH": os.environ["PATH"],
+               "PYTHONPATH": f"{ahead}{before}:/kit/testweights",
+               "LD_LIBRARY_PATH": f"{before}/_libs:/usr/lib"}
+        out = subprocess.run(["bash", "-c", function + f'use_site {site}; echo "$PYTHONPATH|$LD_LIBRARY_PATH"'],
+                             capture_output=True, text=True, env=env, check=True).stdout.strip()
+        assert out == f"{ahead}{site}:/kit/testweights|{site}/_libs:/usr/lib"

@@ -220,18 +220,16 @@ def hisparse_indexer_cell_size(cell_size, self, mr, num_layers):
     configurator gave it, out of what it left for activations. 0.5.17 charges
     them itself. The draft's pool is not HiSparse and keeps the count."""
     from sglang.srt.configs.model_config import get_dsa_index_head_dim, is_deepseek_dsa
-    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
 
     from sglang_hisparse.adapter.args import resolved_hisparse_config
+    from sglang_hisparse.arg_rules import dsa_indexer_token_bytes
 
     server_args = mr.server_args
     if (not server_args.enable_hisparse or getattr(mr, "is_draft_worker", False)
             or not mr.use_mla_backend or not is_deepseek_dsa(mr.model_config.hf_config)):
         return None
     ratio = resolved_hisparse_config(server_args).host_to_device_ratio
-    # One token's indexer K as the release counts it: FP8 K plus an FP32
-    # scale per quant block (the same expression as the release's).
-    head_dim = get_dsa_index_head_dim(mr.model_config.hf_config)
-    per_token = head_dim + head_dim // DSATokenToKVPool.quant_block_size * 4
-    element = DSATokenToKVPool.index_k_with_scale_buffer_dtype.itemsize
-    return cell_size + (ratio - 1) * per_token * num_layers * element
+    # The host-memory check's estimate (arg_rules.dsa_device_token_bytes)
+    # charges the same bytes, so the two cannot drift apart.
+    per_token = dsa_indexer_token_bytes(get_dsa_index_head_dim(mr.model_config.hf_config))
+    return cell_size + (ratio - 1) * per_token * num_layers
