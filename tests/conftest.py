@@ -81,6 +81,18 @@ def run_python(code: str, env: dict | None = None, timeout: int = 300):
     return proc
 
 
+def run_rebase(*args, timeout: int = 600):
+    """``scripts/rebase.py ARGS`` from the repository root, as DEVELOPERS.md runs it."""
+    return subprocess.run([sys.executable, str(REPO / "scripts" / "rebase.py"), *args],
+                          capture_output=True, text=True, cwd=str(REPO), timeout=timeout)
+
+
+def run_doctor(*args, timeout: int = 300):
+    """``python -m sglang_hisparse doctor ARGS`` from the repository root."""
+    return subprocess.run([sys.executable, "-m", "sglang_hisparse", "doctor", *args],
+                          capture_output=True, text=True, cwd=str(REPO), timeout=timeout)
+
+
 def run_ranks(module: str, calls: list[str], env: dict | None = None,
               timeout: int = 600) -> list:
     """Run ``module.<call>`` for each call (e.g. ``run_rank(0, 2, ...)``) in

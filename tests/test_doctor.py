@@ -9,23 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, run_doctor, run_rebase
 from sglang_hisparse.pinned_source import sglang_version
 from sglang_hisparse.manifest import HOOKS, Kind, entries_of
 
 
-def _doctor(*args, timeout=300):
-    return subprocess.run(
-        [sys.executable, "-m", "sglang_hisparse", "doctor", *args],
-        capture_output=True,
-        text=True,
-        cwd=str(REPO),
-        timeout=timeout,
-    )
-
-
 def test_doctor_on_pinned_release_passes():
-    proc = _doctor()
+    proc = run_doctor()
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     out = proc.stdout
     assert f"sglang {sglang_version()}" in out and "supported: yes" in out
@@ -49,7 +39,7 @@ def test_console_script_is_installed():
 
 
 def test_doctor_lists_what_no_longer_matches_on_0_5_15(sglang_0_5_15):
-    proc = _doctor("--sglang-root", str(sglang_0_5_15))
+    proc = run_doctor("--sglang-root", str(sglang_0_5_15))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1
     assert "Traceback" not in out
@@ -97,7 +87,7 @@ def test_developers_quotes_what_doctor_and_rebase_say_of_a_later_release(
     import re
 
     root = request.getfixturevalue("sglang_" + version.replace(".", "_"))
-    out = _doctor("--sglang-root", str(root)).stdout
+    out = run_doctor("--sglang-root", str(root)).stdout
     summary = out[out.index(f"to support sglang {version} (rebased from the "):]
     kernel, torch = re.search(r"requires  sglang-kernel==(\S+), torch==(\S+)\n", summary).groups()
     work = dict.fromkeys(_WORK_KINDS.values(), 0)
@@ -106,9 +96,7 @@ def test_developers_quotes_what_doctor_and_rebase_say_of_a_later_release(
         if len(parts) == 2 and parts[0].isdigit():
             (kind,) = [k for prefix, k in _WORK_KINDS.items() if parts[1].startswith(prefix)]
             work[kind] = int(parts[0])
-    rebase = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "rebase.py"), str(root), "--old-root", str(sglang_0_5_17)],
-        capture_output=True, text=True, cwd=str(REPO), timeout=600).stdout
+    rebase = run_rebase(str(root), "--old-root", str(sglang_0_5_17)).stdout
     for_a_person = int(re.search(r"^(\d+) entries need a human$", rebase, re.M).group(1))
     reanchored = len(re.findall(r"^  reapply ", rebase, re.M))
     # The two tools agree: rebase.py leaves to a person what doctor lists,
@@ -239,14 +227,14 @@ def test_kernel_warmup_without_nvcc_is_one_line(monkeypatch):
 
 
 def test_kernel_options_need_kernels():
-    proc = _doctor("--kv-cache-dtype", "fp8_e4m3")
+    proc = run_doctor("--kv-cache-dtype", "fp8_e4m3")
     assert proc.returncode == 2 and "need --kernels" in proc.stderr
 
 
 @pytest.mark.jit
 def test_doctor_kernels_warms_the_variant_a_server_builds():
     # three nvcc builds one after another (the plain swap-in, the anchor's, the replay)
-    proc = _doctor("--kernels", "--kernel-config", '{"top_k": 2048, "device_buffer_size": 4096}',
+    proc = run_doctor("--kernels", "--kernel-config", '{"top_k": 2048, "device_buffer_size": 4096}',
                    "--kv-cache-dtype", "fp8_e4m3", timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     compiled = [line for line in proc.stdout.splitlines() if line.strip().startswith("compiled ")]

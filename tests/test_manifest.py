@@ -11,13 +11,11 @@ import importlib
 import io
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_python
+from conftest import REPO, run_python, run_rebase
 from releases import overlay_release
 from sglang_hisparse import SUPPORTED_SGLANG_VERSIONS, pins
 from sglang_hisparse.manifest import DEPENDS, ENTRIES, HOOKS, Kind, Process, entries_of
@@ -260,10 +258,7 @@ def test_doctor_names_a_changed_dependency(changed_resume):
 
 
 def _rebase(*args):
-    return subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "rebase.py"), *args],
-        capture_output=True, text=True, cwd=str(REPO), timeout=300,
-    )
+    return run_rebase(*args, timeout=300)
 
 
 def test_rebase_sends_a_changed_dependency_to_a_person(changed_resume):

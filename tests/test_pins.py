@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, run_doctor, run_rebase
 from sglang_hisparse import SUPPORTED_SGLANG_VERSIONS, pins
 from sglang_hisparse.manifest import ENTRIES, entries_of
 from sglang_hisparse.pinned_source import read_pinned_source, sglang_version
@@ -30,11 +30,6 @@ OTHER_PINS = (
     pytest.param(POST1_15, "sglang_0_5_15_post1", POST1, id=POST1_15),
     pytest.param(V17, "sglang_0_5_17", POST1_15, id=V17),
 )
-
-
-def _rebase(*args):
-    return subprocess.run([sys.executable, str(REPO / "scripts" / "rebase.py"), *args],
-                          capture_output=True, text=True, cwd=str(REPO), timeout=600)
 
 
 def test_supported_releases_are_the_pins():
@@ -77,7 +72,7 @@ def test_every_pin_hashes_every_entry_and_the_manifest_reads_them():
 def test_the_pin_is_what_rebase_writes(version, fixture, rebased_from, request, tmp_path):
     release = request.getfixturevalue(fixture)
     # Without --write nothing is written.
-    dry = _rebase(str(release), "--out", str(tmp_path / "dry"))
+    dry = run_rebase(str(release), "--out", str(tmp_path / "dry"))
     assert dry.returncode == 0, dry.stdout + dry.stderr
     assert not (tmp_path / "dry").exists()
     assert "0 entries need a human" in dry.stdout
@@ -85,7 +80,7 @@ def test_the_pin_is_what_rebase_writes(version, fixture, rebased_from, request, 
     # "same" (moved ones at the place the pin records) and its patches carry over.
     assert dry.stdout.count("\n  same     ") == len(entries_of(version))
 
-    proc = _rebase(str(release), "--write", "--out", str(tmp_path))
+    proc = run_rebase(str(release), "--write", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     written, committed = tmp_path / f"sglang-{version}", pins.pin_dir(version)
     cmp = filecmp.dircmp(written, committed)
@@ -97,9 +92,7 @@ def test_the_pin_is_what_rebase_writes(version, fixture, rebased_from, request, 
 @pytest.mark.parametrize(("version", "fixture", "rebased_from"), OTHER_PINS)
 def test_doctor_accepts_the_pin(version, fixture, rebased_from, request):
     release = request.getfixturevalue(fixture)
-    proc = subprocess.run([sys.executable, "-m", "sglang_hisparse", "doctor",
-                           "--sglang-root", str(release)],
-                          capture_output=True, text=True, cwd=str(REPO), timeout=300)
+    proc = run_doctor("--sglang-root", str(release))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert f"sglang {version}" in out and "supported: yes" in out
@@ -108,7 +101,7 @@ def test_doctor_accepts_the_pin(version, fixture, rebased_from, request):
 
 
 def test_rebase_writes_nothing_while_entries_need_a_person(sglang_0_5_15, tmp_path):
-    proc = _rebase(str(sglang_0_5_15), "--write", "--out", str(tmp_path / "pins"))
+    proc = run_rebase(str(sglang_0_5_15), "--write", "--out", str(tmp_path / "pins"))
     assert proc.returncode == 1
     assert "nothing written" in proc.stdout
     assert not (tmp_path / "pins").exists()
@@ -179,13 +172,13 @@ def test_a_moved_target_is_offered_confirmed_and_followed(tmp_path):
     })
     new_place = "sglang.srt.mem_cache.kv_release.release_kv_cache"
 
-    first = _rebase(str(root))
+    first = run_rebase(str(root))
     assert first.returncode == 1
     assert f"moved?   {new_place} (kv_release.py:1, 1.00 alike)" in first.stdout
     assert f"(confirm one with --moved {target}=NEW)" in first.stdout
 
     out = tmp_path / "pins"
-    done = _rebase(str(root), "--moved", f"{target}={new_place}", "--write", "--out", str(out))
+    done = run_rebase(str(root), "--moved", f"{target}={new_place}", "--write", "--out", str(out))
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
     assert f"  moved    {target} -> {new_place}" in done.stdout
     assert f"  same     {target}\n" in done.stdout  # moved verbatim: the hash carries over
@@ -213,7 +206,7 @@ def test_a_renamed_target_is_offered_on_0_5_17(sglang_0_5_17, sglang_0_5_15_post
     # the port from the 0.5.15.post1 pin, repeated (--from), reading the old
     # source from that release's wheel: the installed release would give its
     # own place (0.5.17's pin records the move, offered as "moved?").
-    proc = _rebase(str(sglang_0_5_17), "--from", POST1_15, "--old-root", str(sglang_0_5_15_post1))
+    proc = run_rebase(str(sglang_0_5_17), "--from", POST1_15, "--old-root", str(sglang_0_5_15_post1))
     assert proc.returncode == 1
     (line,) = [ln.strip() for ln in proc.stdout.splitlines()
                if ln.strip().startswith("renamed? sglang.srt.model_executor.model_runner."
@@ -225,7 +218,7 @@ def test_rebase_reads_the_old_release_from_old_root(sglang_0_5_17, sglang_0_5_15
     """With --old-root the rebase needs no install of the old release: the
     0.5.15.post1 wheel's sources re-anchor the forward_extend patch on 0.5.17
     and name where 0.5.17 moved the allocation helpers (mem_cache/allocation.py)."""
-    proc = _rebase(str(sglang_0_5_17), "--old-root", str(sglang_0_5_15_post1), "--from", POST1_15)
+    proc = run_rebase(str(sglang_0_5_17), "--old-root", str(sglang_0_5_15_post1), "--from", POST1_15)
     assert proc.returncode == 1  # the port needs a person
     assert "  reapply  sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend.forward_extend\n" \
         in proc.stdout
@@ -238,11 +231,11 @@ def test_rebase_reads_the_old_release_from_old_root(sglang_0_5_17, sglang_0_5_15
 
 def test_from_names_an_older_pin_or_is_refused(sglang_0_5_17):
     for bad in (V17, "0.5.9"):
-        proc = _rebase(str(sglang_0_5_17), "--from", bad)
+        proc = run_rebase(str(sglang_0_5_17), "--from", bad)
         assert proc.returncode == 2
         assert (f"--from takes a pin older than sglang 0.5.17: one of 0.5.13, {POST1}, "
                 f"{POST1_15}, got {bad!r}") in proc.stderr
     # Without it: the newest pin before the release (its own, once pinned).
     newest = (POST1_15, V17)[V17 in SUPPORTED_SGLANG_VERSIONS]
-    assert _rebase(str(sglang_0_5_17)).stdout.startswith(
+    assert run_rebase(str(sglang_0_5_17)).stdout.startswith(
         f"rebasing the {newest} manifest onto sglang {V17}")
