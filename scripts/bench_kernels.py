@@ -30,6 +30,7 @@ Usage:
                                   [--upstream-0523 DIR] [--blocks-per-req N]
                                   [--hash-scale S,S,.. [--hash-scale-only]]
   python scripts/bench_kernels.py --verify [2,4]   # speculative verify rows only
+  python scripts/bench_kernels.py --overlap [smx512,8x512,smx32,..]  # prefetch replays beside compute
 """
 
 from __future__ import annotations
@@ -193,20 +194,26 @@ class Timer:
         return statistics.median(times), mode
 
 
-def h2d_ceiling_gbps(nbytes: int = 512 << 20, reps: int = 7) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
+def event_times_ms(fn, reps: int) -> list[float]:
+    """``reps`` eager calls of fn, each timed alone with CUDA events (ms)."""
     times = []
     for _ in range(reps):
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
-        dst.copy_(src, non_blocking=True)
+        fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / 1000.0)
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def h2d_ceiling_gbps(nbytes: int = 512 << 20, reps: int = 7) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    times = [t / 1000.0 for t in event_times_ms(lambda: dst.copy_(src, non_blocking=True), reps)]
     return nbytes / statistics.median(times) / 1e9
 
 
@@ -604,6 +611,90 @@ def verify_points(timer: Timer, ceiling: float, ndts, batches, misses, host_kv) 
     return rows
 
 
+def overlap_points(grids, bs: int, misses, replays: int, iters: int) -> list[dict]:
+    """--overlap: can the IndexShare prefetch's copies run beside the forward?
+
+    The prefetch replays an anchor's miss plan once per shared layer on a side
+    stream while the forward stream computes. The replay's blocks loop until
+    every miss has moved, so each block holds its SM for the whole replay;
+    a compute kernel that needs a whole SM (GEMMs, attention) cannot start
+    there until the replay ends. Per miss rate and replay grid
+    (``engine.prefetch.ReplayGrid``: blocks x threads): the replays
+    alone (``replays`` back to back, the shared layers of one anchor), a
+    compute stand-in alone (per layer: one V3.2 layer's projection GEMMs at
+    this batch and an attention call, as many layers as make it about as
+    long as the replays), and both together on two streams; ``hidden`` is
+    the share of the shorter one that the overlap hid:
+    (copy + compute - both) / min(copy, compute)."""
+    from sglang_hisparse.kernels.copy_planned import copy_planned
+
+    world = World(bs)
+    reqs, seq_lens, num_real, out, _ = batch_inputs(bs)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    bf = dict(dtype=torch.bfloat16, device="cuda")
+    # One DeepSeek-V3.2 layer's matrices at this batch (q_a + kv_a, q_b,
+    # o_proj, a dense MLP of intermediate 2048) and a 2048-row attention.
+    shapes = [(7168, 2112), (1536, 24576), (16384, 7168), (7168, 4096), (2048, 7168)]
+    mats = [(torch.randn(bs, k, generator=gen, **bf), torch.randn(k, n, generator=gen, **bf))
+            for k, n in shapes]
+    q = torch.randn(bs, 16, 1, 128, generator=gen, **bf)
+    kv = torch.randn(bs, 16, 2048, 128, generator=gen, **bf)
+    side = torch.cuda.Stream()
+
+    def timed(fn) -> float:  # us, median of `iters` after 3 warm-up calls
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        return statistics.median(event_times_ms(fn, iters)) * 1000.0
+
+    def layer():
+        for x, w in mats:
+            x @ w
+        torch.nn.functional.scaled_dot_product_attention(q, kv, kv)
+
+    rows = []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    log(f"overlap: batch {bs}, {replays} replays per anchor, {sms} SMs")
+    log(f"{'miss':>5} {'grid':>8} {'rows':>6} {'copy':>8} {'GB/s':>6} {'compute':>8} {'both':>8} {'hidden':>6}")
+    for miss in misses:
+        top_k = world.top_k(bs, miss)
+        gather(world, bs, top_k, out, num_real, seq_lens, reqs)
+        moved = int(world.miss_count[:bs].sum())
+        n_layers = None
+        for grid in grids:
+            def copies(grid=grid):
+                for _ in range(replays):
+                    copy_planned(world.miss_src[:bs], world.miss_dst[:bs], world.miss_count[:bs],
+                                 num_real, world.host_kv, world.device_kv, num_blocks=grid.blocks,
+                                 threads=grid.threads)
+
+            t_copy = timed(copies)
+            if n_layers is None:  # compute sized once per miss rate, to the full grid's copies
+                t_layer = timed(layer)
+                n_layers = max(1, round(t_copy / t_layer))
+
+            def compute():
+                for _ in range(n_layers):
+                    layer()
+
+            def both():
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    copies()
+                compute()
+                torch.cuda.current_stream().wait_stream(side)
+
+            t_comp, t_both = timed(compute), timed(both)
+            hidden = (t_copy + t_comp - t_both) / min(t_copy, t_comp)
+            gbps = moved * replays * ITEM / (t_copy * 1e-6) / 1e9
+            log(f"{miss * 100:>4.0f}% {str(grid):>8} {moved:>6} {t_copy:>8.1f} {gbps:>6.1f} {t_comp:>8.1f} "
+                f"{t_both:>8.1f} {hidden:>6.2f}")
+            rows.append(dict(miss=miss, grid=str(grid), moved_rows=moved, replays=replays,
+                             copy_us=t_copy, compute_us=t_comp, both_us=t_both, hidden=hidden,
+                             compute_layers=n_layers, copy_gbps=gbps))
+    return rows
+
+
 def world_decode(world: VerifyWorld, top_k, one):
     """The decode call (one row per request: each request's row 0) on the
     verify world's buffers."""
@@ -663,6 +754,10 @@ def main(argv=None) -> int:
     ap.add_argument("--verify", metavar="N,N,..", nargs="?", const="2,4",
                     help="only time speculative verify calls (N draft tokens per request, one union, "
                          "hot buffer (N + 1) x top_k), beside the gather floor and the decode call")
+    ap.add_argument("--overlap", metavar="GRID,..", nargs="?", const="smx512,16x512,8x512,smx32,264x32",
+                    help="only time the copy-only replay (the IndexShare prefetch) beside a compute "
+                         "stand-in on another stream, per replay grid (SGLANG_HISPARSE_PREFETCH_GRID "
+                         "spelling: BLOCKSxTHREADS)")
     args = ap.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -681,6 +776,20 @@ def main(argv=None) -> int:
     ceiling = h2d_ceiling_gbps()
     log(f"pinned H2D ceiling (cudaMemcpyAsync, 512 MiB): {ceiling:.1f} GB/s")
 
+    if args.overlap:
+        from sglang_hisparse.engine.prefetch import ReplayGrid
+        from sglang_hisparse.kernels.bench import compile_bench_variants
+
+        grids = [ReplayGrid.parse(g, "--overlap") for g in args.overlap.split(",")]
+        compile_bench_variants(TOP_K, HOT, ITEM, jobs=[
+            dict(record_plan=(True,)),
+            dict(record_plan=(), copy_planned=True,
+                 copy_planned_threads=tuple(dict.fromkeys(g.threads for g in grids)))])
+        orows = overlap_points(grids, 16, [0.02, 0.13, 0.5], 3, iters if args.iters else 20)
+        if args.json:
+            Path(args.json).write_text(json.dumps(dict(
+                device=dev.name, h2d_ceiling_gbps=ceiling, item_bytes=ITEM, overlap=orows), indent=2))
+        return 0
     if args.verify:
         host_kv = torch.randint(0, 256, (HOST_ROWS, ITEM), dtype=torch.uint8).pin_memory()
         ndts = [int(x) for x in args.verify.split(",")]

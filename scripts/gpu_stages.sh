@@ -89,7 +89,9 @@
 #   kbench    the swap-in kernel alone (waits for bg-tests): bench_kernels.py
 #             --quick (ours vs the gather floor and 0.5.13's, batch 1/32, miss
 #             0/13/100%) and --verify 2,4 (speculative verify rows: the union
-#             call per layer beside the gather floor and the decode call).
+#             call per layer beside the gather floor and the decode call);
+#             GF_KBENCH picks tables (decode verify; overlap: --overlap, the
+#             IndexShare prefetch replay beside compute per replay grid).
 #             ~2 min cold (nvcc builds), ~1 min warm.
 #   mtp       MTP (EAGLE) with HiSparse behind SGLANG_HISPARSE_EXPERIMENTAL_MTP,
 #             the kit model given a NextN layer, --mtp GF_MTP (1,1,2: steps,
@@ -157,6 +159,9 @@
 #             GF_INDEXSHARE_SYNTHETIC=calibrated the calibrated top-k
 #             (default: the random weights' own). The IndexShare line then
 #             has an indexshare-decode row (decode-only rate, server step).
+#             SGLANG_HISPARSE_PREFETCH_GRID (e.g. 8x512, smx32) passes to
+#             the servers: the replay grid of ours; pin the cores
+#             (GF_CPUS=fastest:4), or the cores' spread (2x) decides.
 #   dsv4      DeepSeek-V4 (issue #19; NOT RUN ON A GPU YET): the tiny
 #             random-weight model tests/data/tiny-dsv4 (4 layers, compress
 #             ratios 0/4/128/4, index_topk 512, one NextN layer) served by
@@ -428,8 +433,8 @@ summarize_stage() {
       grep -E '^=+ .*[0-9]+ (passed|failed|errors?|skipped)' "$f" | tail -1
       grep -q -E '^=+ .*[0-9]+ (passed|failed|errors?|skipped)' "$f" || tail -5 "$f" ;;
     kbench)
-      grep -E '^( *bs|ndt| *[0-9]+ |worst|pinned|device)' "$f" | cut -c1-200
-      grep -q '^ndt' "$f" || tail -15 "$f" ;;
+      grep -E '^( *bs|ndt| *miss| *[0-9]+%? |worst|pinned|device|overlap)' "$f" | cut -c1-200
+      grep -q -E '^(ndt| *miss)' "$f" || tail -15 "$f" ;;
     dsv4)
       grep -E '^dsv4_env|^model |\] (sglang_hisparse from|ready in|FAILED)|^\[[a-z]+ rep[0-9.]+\] [a-z]+: |Traceback|counter flush' "$f" | cut -c1-400
       sed -n '/^workload    config/,$p' "$f"
@@ -603,8 +608,17 @@ pin_e2e() {  # pin_e2e SUFFIX: one e2e_gpu.py call, its JSON and logs named with
 }
 
 kbench_cmd() {
-  python3 scripts/bench_kernels.py --quick --json "$RUN/kbench_decode.json"
-  python3 scripts/bench_kernels.py --verify 2,4 --json "$RUN/kbench_verify.json"
+  # GF_KBENCH: which tables (decode,verify by default; overlap: the
+  # IndexShare prefetch's replay beside compute, per replay grid).
+  local mode
+  for mode in ${GF_KBENCH:-decode verify}; do
+    case $mode in
+      decode) python3 scripts/bench_kernels.py --quick --json "$RUN/kbench_decode.json" ;;
+      verify) python3 scripts/bench_kernels.py --verify 2,4 --json "$RUN/kbench_verify.json" ;;
+      overlap) python3 scripts/bench_kernels.py --overlap --json "$RUN/kbench_overlap.json" ;;
+      *) echo "GF_KBENCH: unknown table $mode (decode verify overlap)"; return 2 ;;
+    esac
+  done
 }
 
 bound_cmd() {

@@ -210,6 +210,9 @@ SHARED_HOST_POOL_ENV = "SGLANG_HISPARSE_SHARED_HOST_POOL"
 # replaying its anchor's miss plan on the prefetch stream (A/B runs;
 # engine/index_share.py).
 INDEXSHARE_PREFETCH_ENV = "SGLANG_HISPARSE_INDEXSHARE_PREFETCH"
+# coordinator: the grid of each IndexShare prefetch replay, BLOCKSxTHREADS
+# (engine/prefetch.py: ReplayGrid says why it matters, its parse checks it).
+PREFETCH_GRID_ENV = "SGLANG_HISPARSE_PREFETCH_GRID"
 # coordinator: "0" (default) keeps streaming off (0.5.13's prefill-first
 # order), "1" or a token cap turns it on (engine/policies/streaming.py; its
 # values are checked by that module's parse).
@@ -240,6 +243,13 @@ def env_problems(environ) -> list[str]:
 
         try:
             parse_streaming(environ[STREAMING_ENV], STREAMING_ENV)
+        except ValueError as exc:
+            problems.append(str(exc))
+    if environ.get(PREFETCH_GRID_ENV) is not None:
+        from sglang_hisparse.engine.prefetch import ReplayGrid
+
+        try:
+            ReplayGrid.parse(environ[PREFETCH_GRID_ENV])
         except ValueError as exc:
             problems.append(str(exc))
     if environ.get(SYNTHETIC_TOPK_ENV):

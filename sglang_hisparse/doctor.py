@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import os
 import re
 import sys
 import textwrap
@@ -312,6 +313,11 @@ def _serving_variants(compile_variants, layout: str) -> dict:
     if "record_plan" in params:
         axes["record_plan"] = (False, True) if index_share else (False,)
     flags = {name: index_share for name in ("copy_planned",) if name in params}
+    if index_share and "copy_planned_threads" in params:
+        # the block shape SGLANG_HISPARSE_PREFETCH_GRID names (default 512)
+        from sglang_hisparse.engine.prefetch import ReplayGrid
+
+        axes["copy_planned_threads"] = (ReplayGrid.from_environ(os.environ).threads,)
     return {**axes, **flags}
 
 

@@ -214,6 +214,7 @@ def test_kernel_warmup_asks_for_the_serving_variant_of_the_dtype(recorded_build)
         assert call.get("probe", (False,)) == (False,)
     for call in (fp8, bf16):
         assert tuple(call["record_plan"]) == (False, True) and call["copy_planned"] is True
+        assert tuple(call["copy_planned_threads"]) == (512,)  # SGLANG_HISPARSE_PREFETCH_GRID unset
     assert c4.get("record_plan", (False,)) == (False,) and c4.get("copy_planned", False) is False
 
 

@@ -815,3 +815,30 @@ def test_use_site_points_both_paths_at_one_pin(before):
         out = subprocess.run(["bash", "-c", function + f'use_site {site}; echo "$PYTHONPATH|$LD_LIBRARY_PATH"'],
                              capture_output=True, text=True, env=env, check=True).stdout.strip()
         assert out == f"{ahead}{site}:/kit/testweights|{site}/_libs:/usr/lib"
+
+
+def test_kbench_runs_the_tables_gf_kbench_names(tmp_path):
+    """gpu_stages.sh's kbench_cmd: decode and verify by default, only the
+    named tables with GF_KBENCH (overlap: the prefetch replay beside
+    compute), and an unknown name is refused naming the ones it knows."""
+    import re
+    import subprocess
+
+    text = (SCRIPTS / "gpu_stages.sh").read_text()
+    function = re.search(r"^kbench_cmd\(\) \{\n.*?^\}\n", text, re.M | re.S).group(0)
+    # python3 echoes its arguments instead of timing anything
+    fake = tmp_path / "python3"
+    fake.write_text('#!/bin/sh\necho "$@"\n')
+    fake.chmod(0o755)
+
+    def run(kbench):
+        env = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "RUN": "/r",
+               **({"GF_KBENCH": kbench} if kbench is not None else {})}
+        p = subprocess.run(["bash", "-c", function + "kbench_cmd"], capture_output=True, text=True, env=env)
+        return p.returncode, p.stdout.strip().splitlines()
+
+    assert run(None) == (0, ["scripts/bench_kernels.py --quick --json /r/kbench_decode.json",
+                             "scripts/bench_kernels.py --verify 2,4 --json /r/kbench_verify.json"])
+    assert run("overlap") == (0, ["scripts/bench_kernels.py --overlap --json /r/kbench_overlap.json"])
+    assert run("overlap bogus") == (2, ["scripts/bench_kernels.py --overlap --json /r/kbench_overlap.json",
+                                        "GF_KBENCH: unknown table bogus (decode verify overlap)"])

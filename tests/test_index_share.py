@@ -25,7 +25,7 @@ from dataplane_fixtures import (
     release, req_pool,
 )
 from kernel_cases import make_case, refresh_top_k
-from sglang_hisparse.config import INDEXSHARE_PREFETCH_ENV, env_problems
+from sglang_hisparse.config import INDEXSHARE_PREFETCH_ENV, PREFETCH_GRID_ENV, env_problems
 from sglang_hisparse.engine.index_share import (
     IndexShareConfigError,
     LayerRoles,
@@ -416,6 +416,43 @@ def test_replay_moves_what_the_shared_layer_reads(monkeypatch):
     for step in range(3):
         w.decode(reqs, _top_k_drawer(step))
     assert w.coord.get_hisparse_stats()["exact_mismatches"] > 0
+    for r in reqs:
+        w.finish(r)
+    assert w.drained()
+
+
+def test_replays_launch_the_grid_the_environment_names(monkeypatch):
+    """SGLANG_HISPARSE_PREFETCH_GRID reaches every replay's launch; a bad
+    value is refused naming the variable and what it takes."""
+    from sglang_hisparse.engine import prefetch as prefetch_mod
+    from sglang_hisparse.engine.prefetch import ReplayGrid
+
+    assert ReplayGrid.from_environ({}) == ReplayGrid(None, 512)
+    assert ReplayGrid.from_environ({PREFETCH_GRID_ENV: "smx32"}) == ReplayGrid(None, 32)
+    assert ReplayGrid.from_environ({PREFETCH_GRID_ENV: "8x512"}) == ReplayGrid(8, 512)
+    for spelling in ("smx512", "smx32", "264x32"):
+        assert str(ReplayGrid.parse(spelling)) == spelling
+    for bad in ("0x512", "8x64", "8", "lots", "2000x32", "x32"):
+        assert env_problems({PREFETCH_GRID_ENV: bad}) == [
+            f"{PREFETCH_GRID_ENV}={bad!r} is not valid; allowed: BLOCKSxTHREADS, BLOCKS an integer "
+            f"from 1 to 1024 or sm (one per SM), THREADS 512 or 32 (e.g. smx512, the default, "
+            f"or 132x32)"]
+    monkeypatch.setenv(PREFETCH_GRID_ENV, "12x32")
+    w = World(LayerRoles.from_pattern("FSSS"), prefetch=True, monkeypatch=monkeypatch)
+    grids = []
+    real_replay = prefetch_mod.IndexSharePrefetch.replay_followers
+
+    def spy(self, anchor, requests, num_real_reqs, pools, layout, copy):
+        def counted(**kw):
+            grids.append((kw["num_blocks"], kw["threads"]))
+            return copy(**kw)
+        return real_replay(self, anchor, requests, num_real_reqs, pools, layout, counted)
+
+    monkeypatch.setattr(prefetch_mod.IndexSharePrefetch, "replay_followers", spy)
+    reqs = [w.staged("long", 300)]
+    w.coord.collect_ready_reqs()
+    w.decode(reqs, _top_k_drawer(0))
+    assert grids == [(12, 32)] * 3
     for r in reqs:
         w.finish(r)
     assert w.drained()

@@ -26,7 +26,7 @@ import torch
 
 from kernel_cases import graph_case, make_case, refresh_top_k
 from sglang_hisparse.engine.index_share import LayerRoles
-from sglang_hisparse.engine.prefetch import IndexSharePrefetch
+from sglang_hisparse.engine.prefetch import IndexSharePrefetch, ReplayGrid
 from sglang_hisparse.engine.streams import Streams
 from sglang_hisparse.kernels import reference as ref
 from sglang_hisparse.kernels import swap_in as swap_mod
@@ -47,7 +47,7 @@ class Layers:
     layer its own pinned host pool and device pool; a CPU twin of every
     layer for the reference."""
 
-    def __init__(self, case, shared: int, seed: int):
+    def __init__(self, case, shared: int, seed: int, grid: ReplayGrid = ReplayGrid()):
         gen = torch.Generator().manual_seed(seed)
         self.want = [case.clone()]
         for _ in range(shared):
@@ -61,7 +61,7 @@ class Layers:
         bs, top_k = case.top_k_tokens.shape
         self.streams = Streams("cuda")
         self.prefetch = IndexSharePrefetch(self.roles, max_requests=bs + 4, plan_width=top_k,
-                                           device="cuda", streams=self.streams)
+                                           device="cuda", streams=self.streams, grid=grid)
         self.workspace = torch.zeros(bs, dtype=torch.int32, device="cuda")
 
     def pools(self, layer):
@@ -118,14 +118,19 @@ class Layers:
         self.gpu[0].top_k_tokens.copy_(self.want[0].top_k_tokens)
 
 
+# The default grid, the one-warp blocks over every SM, and a few large blocks.
+GRIDS = [ReplayGrid(), ReplayGrid(None, 32), ReplayGrid(8, 512)]
+
+
+@pytest.mark.parametrize("grid", GRIDS, ids=str)
 @pytest.mark.parametrize("top_k,hot", [(64, 128), (2048, 4096)])
-def test_replay_is_the_synchronous_swap_in_byte_for_byte(top_k, hot):
+def test_replay_is_the_synchronous_swap_in_byte_for_byte(top_k, hot, grid):
     seed = _seed()
     gen = random.Random(seed)
     lens = [hot * 4, hot // 2, hot * 2 + 3, hot + 1, hot * 8, 5000]
     case = make_case(seq_lens=lens, top_k=top_k, hot=hot, page=PAGE, miss_rate=0.6,
                      item_bytes=1152, seed=seed, num_real=5, duplicates=2, pad_top_k=3)
-    layers = Layers(case, shared=3, seed=seed + 1)
+    layers = Layers(case, shared=3, seed=seed + 1, grid=grid)
     for step in range(4):
         layers.gpu_step()
         layers.reference_step()
@@ -134,7 +139,8 @@ def test_replay_is_the_synchronous_swap_in_byte_for_byte(top_k, hot):
     assert layers.prefetch.replays == 4 * 3
 
 
-def test_plan_replay_under_cuda_graph_capture():
+@pytest.mark.parametrize("grid", GRIDS, ids=str)
+def test_plan_replay_under_cuda_graph_capture(grid):
     seed = _seed()
     gen = random.Random(seed)
     bs, top_k = 8, 512
@@ -144,12 +150,12 @@ def test_plan_replay_under_cuda_graph_capture():
     # the capture stream, as SGLang's graph runner does
     capture = torch.cuda.Stream()
     capture.wait_stream(torch.cuda.current_stream())
-    scratch = Layers(case, shared=2, seed=seed + 1)
+    scratch = Layers(case, shared=2, seed=seed + 1, grid=grid)
     with torch.cuda.stream(capture):
         scratch.gpu_step()
     torch.cuda.synchronize()
 
-    layers = Layers(case, shared=2, seed=seed + 1)
+    layers = Layers(case, shared=2, seed=seed + 1, grid=grid)
     # the static outputs of what attention reads, per shared layer
     reads_out = [torch.empty((bs * top_k, case.device_kv.size(1)), dtype=torch.uint8,
                              device="cuda") for _ in range(2)]

@@ -52,6 +52,19 @@ def test_compile_c4_plan_skip_io_probe_and_replay():
 
 
 @pytest.mark.jit
+def test_compile_the_one_warp_replay():
+    """The co-resident replay block (32 threads) builds for both layouts and
+    is named apart from the 512-thread one."""
+    names = kernels.compile_variants(top_k=64, hot_buffer_size=200, record_plan=(), copy_planned=True,
+                                     copy_planned_threads=(512, 32))
+    assert names == ["copy_planned(item_bytes=1152, layout=rows)",
+                     "copy_planned(item_bytes=1152, layout=rows, threads=32)"]
+    assert kernels.compile_variants(top_k=64, hot_buffer_size=200, item_bytes=584, layout="dsv4_c4",
+                                    record_plan=(), copy_planned=True, copy_planned_threads=(32,)) == [
+        "copy_planned(item_bytes=584, layout=dsv4_c4, threads=32)"]
+
+
+@pytest.mark.jit
 @pytest.mark.parametrize("layout,item_bytes", [("rows", 1152), ("dsv4_c4", 584)])
 def test_compile_exactness_check(layout, item_bytes):
     names = kernels.compile_variants(top_k=64, item_bytes=item_bytes, layout=layout,

@@ -246,18 +246,25 @@ def test_copy_planned_replays_the_plan(layout):
     plan = _plan(4, 512, "cuda")
     swap_mod.swap_in(*gpu.args(), layout=layout, **plan)
     # another layer: same rows, its own pools
-    for num_blocks in (None, 1, 5):
-        dev = fresh_dev.clone()
-        copy_mod.copy_planned(**plan, num_real_reqs=gpu.num_real_reqs, host_kv=fresh_host,
-                             device_kv=dev, layout=layout, num_blocks=num_blocks)
-        torch.cuda.synchronize()
-        assert torch.equal(dev, gpu.device_kv), f"seed={seed} layout={layout} num_blocks={num_blocks}"
+    for threads in copy_mod.COPY_THREADS:
+        for num_blocks in (None, 1, 5):
+            dev = fresh_dev.clone()
+            copy_mod.copy_planned(**plan, num_real_reqs=gpu.num_real_reqs, host_kv=fresh_host,
+                                 device_kv=dev, layout=layout, num_blocks=num_blocks, threads=threads)
+            torch.cuda.synchronize()
+            assert torch.equal(dev, gpu.device_kv), \
+                f"seed={seed} layout={layout} num_blocks={num_blocks} threads={threads}"
     # padded rows are not replayed
     dev = fresh_dev.clone()
     real = torch.tensor([0], dtype=torch.int32, device="cuda")
-    copy_mod.copy_planned(**plan, num_real_reqs=real, host_kv=fresh_host, device_kv=dev, layout=layout)
+    for threads in copy_mod.COPY_THREADS:
+        copy_mod.copy_planned(**plan, num_real_reqs=real, host_kv=fresh_host, device_kv=dev,
+                              layout=layout, threads=threads)
     torch.cuda.synchronize()
     assert torch.equal(dev, fresh_dev)
+    with pytest.raises(ValueError, match="threads: must be one of 512, 32, got 64"):
+        copy_mod.copy_planned(**plan, num_real_reqs=real, host_kv=fresh_host, device_kv=dev,
+                              layout=layout, threads=64)
 
 
 def test_cuda_graph_replay_with_changing_real_requests():

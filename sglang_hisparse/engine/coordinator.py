@@ -53,7 +53,7 @@ from sglang_hisparse.config import (
 from sglang_hisparse.engine.exactness import ExactnessCheck
 from sglang_hisparse.engine.index_share import LayerRoles, prefetch_off_reason
 from sglang_hisparse.engine.policies.parking import Parking
-from sglang_hisparse.engine.prefetch import IndexSharePrefetch
+from sglang_hisparse.engine.prefetch import IndexSharePrefetch, ReplayGrid
 from sglang_hisparse.engine.policies.residency import Residency
 from sglang_hisparse.engine.policies.retain_on_retract import RetainOnRetract
 from sglang_hisparse.engine.policies import streaming as streaming_policy
@@ -257,10 +257,11 @@ class Coordinator:
         if off is None:
             self.prefetch = IndexSharePrefetch(
                 index_roles, max_requests=max_reqs, plan_width=self.draft_tokens * top_k,
-                device=device, streams=self.streams, skip_io=self.skip_io)
+                device=device, streams=self.streams, skip_io=self.skip_io,
+                grid=ReplayGrid.from_environ(os.environ))
             # (once at start-up, at WARNING so that every server log shows it)
-            logger.warning("HiSparse IndexShare prefetch on (%s=0 turns it off): %s",
-                        INDEXSHARE_PREFETCH_ENV, index_roles)
+            logger.warning("HiSparse IndexShare prefetch on (%s=0 turns it off): %s; replay grid %s",
+                        INDEXSHARE_PREFETCH_ENV, index_roles, self.prefetch.grid)
         elif index_roles is not None and index_roles.shares:
             logger.warning("HiSparse IndexShare prefetch off: %s", off)
         # Tally row w - 1 counts the swap-ins that stand for w layers: an

@@ -46,18 +46,70 @@ counters read as a synchronous run's.
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional
 
 import torch
 
+from sglang_hisparse.config import PREFETCH_GRID_ENV
 from sglang_hisparse.engine.index_share import LayerRoles
 from sglang_hisparse.engine.streams import Streams
 
 
+@dataclass(frozen=True)
+class ReplayGrid:
+    """How each replay launches: ``blocks`` (None: one per SM) of ``threads``.
+
+    A replay's blocks loop until every miss has moved, so each holds its SM
+    for the whole replay, and the forward's GEMMs and attention (one block
+    that takes a whole SM's registers) cannot start there meanwhile. With one
+    512-thread block per SM the replay shuts the forward out of every SM: on
+    the H200 (bench_kernels.py --overlap, 16 requests, 3 replays beside a
+    V3.2 layer stand-in) it hid 2-3% of the shorter side, 8 blocks hid 32-58%
+    at 47 GB/s, 4 blocks lost bandwidth (35-38 GB/s). Served (8 V3.2 layers,
+    FSSSFSSS, calibrated top-k) 8 x 512 was still slower than synchronous
+    swap-ins (step 3.78 vs 3.26 ms), so the default stays one 512-thread
+    block per SM, which served level with them (2026-12-02, random weights). 32-thread
+    blocks (one warp, 1,024 registers) should fit beside those kernels'
+    blocks instead of displacing them; not yet measured on a GPU
+    (docs/gpu-runs/2026-12-03-s5/)."""
+
+    blocks: Optional[int] = None
+    threads: int = 512
+
+    @classmethod
+    def parse(cls, value: str, name: str = PREFETCH_GRID_ENV) -> "ReplayGrid":
+        """``BLOCKSxTHREADS``: BLOCKS an integer from 1 to 1024 or ``sm``
+        (one per SM), THREADS 512 or 32; else a ValueError naming ``name``."""
+        blocks_text, sep, threads_text = value.strip().lower().partition("x")
+        grid = None
+        if sep and threads_text in ("512", "32"):
+            if blocks_text == "sm":
+                grid = cls(None, int(threads_text))
+            elif blocks_text.isdigit() and 1 <= int(blocks_text) <= 1024:
+                grid = cls(int(blocks_text), int(threads_text))
+        if grid is None:
+            raise ValueError(
+                f"{name}={value!r} is not valid; allowed: BLOCKSxTHREADS, BLOCKS an integer "
+                f"from 1 to 1024 or sm (one per SM), THREADS 512 or 32 (e.g. smx512, the "
+                f"default, or 132x32)")
+        return grid
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> "ReplayGrid":
+        value = environ.get(PREFETCH_GRID_ENV)
+        return cls.parse(value) if value is not None else cls()
+
+    def __str__(self) -> str:
+        """The spelling :meth:`parse` reads."""
+        return f"{self.blocks or 'sm'}x{self.threads}"
+
+
 class IndexSharePrefetch:
     def __init__(self, roles: LayerRoles, *, max_requests: int, plan_width: int, device,
-                 streams: Streams, skip_io: bool = False):
+                 streams: Streams, skip_io: bool = False, grid: ReplayGrid = ReplayGrid()):
         self.roles = roles
+        self.grid = grid
         self.streams = streams
         self.skip_io = skip_io
         self.is_shared = roles.is_shared
@@ -113,7 +165,8 @@ class IndexSharePrefetch:
             for layer in followers:
                 host_kv, device_kv = pools(layer)
                 copy(**plan, num_real_reqs=num_real_reqs, host_kv=host_kv, device_kv=device_kv,
-                     layout=layout)
+                     layout=layout, num_blocks=self.grid.blocks,
+                     threads=self.grid.threads)
             self.replays += len(followers)
             return
         self.anchor_done.record()
@@ -124,7 +177,8 @@ class IndexSharePrefetch:
                     torch.cuda._sleep(self.link_delay_cycles)
                 host_kv, device_kv = pools(layer)
                 copy(**plan, num_real_reqs=num_real_reqs, host_kv=host_kv, device_kv=device_kv,
-                     layout=layout)
+                     layout=layout, num_blocks=self.grid.blocks,
+                     threads=self.grid.threads)
                 self.landed[layer].record(streams.prefetch)
         self.pending.update(followers)
         self.replays += len(followers)

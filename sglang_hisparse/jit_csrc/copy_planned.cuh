@@ -6,6 +6,17 @@
 // (miss_count[b] entries in row b), so every block first turns the counts into
 // offsets and then all warps of the grid walk the flattened (request, miss)
 // space. A lone request with a burst of misses therefore still uses every warp.
+//
+// Two block shapes (template kThreads):
+// * 512 threads, offsets in shared memory: the fastest replay of an idle GPU.
+// * 32 threads (one warp), no shared memory, at most 32 registers per thread:
+//   the "co-resident" replay. The IndexShare prefetch runs beside the
+//   forward's GEMMs and attention, whose blocks take a whole SM's registers
+//   (e.g. 384 threads x 168 registers = 64,512 of 65,536). A replay block
+//   holds its SM until every miss has moved, so a 512-thread block shuts
+//   those kernels out of its SM for the whole replay, while a 1,024-register
+//   warp fits in what they leave. Each warp walks the per-request counts
+//   itself (a prefetch batch is at most a few hundred requests).
 #pragma once
 
 #include <sgl_kernel/tensor.h>
@@ -86,8 +97,36 @@ __global__ void __launch_bounds__(kCopyThreads) copy_planned_kernel(const __grid
   }
 }
 
+// One warp per block: warp g takes flattened misses g, g + W, g + 2W, ...
+// (W warps in the grid), walking the requests' counts in order.
 template <int kItemBytes, int kLayout>
+__global__ void __launch_bounds__(kWarp, 64) copy_planned_warp_kernel(const __grid_constant__ CopyPlannedParams p) {
+  using IO = RowIO<kLayout, kItemBytes>;
+  const int lane = threadIdx.x;
+  const int real = max(0, min(p.num_real_reqs[0], p.bs));
+  const int64_t warps = gridDim.x;
+  const int64_t g = blockIdx.x;
+  int64_t first = 0;  // flattened index of request b's first miss
+  for (int b = 0; b < real; ++b) {
+    const int64_t count = max(0, min(p.miss_count[b], p.plan_width));
+    // This warp's first flattened index at or after `first`.
+    int64_t f = first + ((g - first) % warps + warps) % warps;
+    for (; f < first + count; f += warps) {
+      const int64_t m = f - first;
+      const int64_t src = p.miss_src[b * p.miss_src_stride + m];
+      const int64_t dst = p.miss_dst[b * p.miss_dst_stride + m];
+      typename IO::Staged staged;
+      IO::load(staged, p.host_kv, p.host_kv_stride, src, lane);
+      IO::store(staged, p.device_kv, p.device_kv_stride, dst, lane);
+    }
+    first += count;
+  }
+}
+
+template <int kItemBytes, int kLayout, int kThreads>
 struct CopyPlanned {
+  static_assert(kThreads == kCopyThreads || kThreads == kWarp, "a replay block is 512 threads or one warp");
+
   static void
   run(tvm::ffi::TensorView miss_src,
       tvm::ffi::TensorView miss_dst,
@@ -127,9 +166,14 @@ struct CopyPlanned {
     params.bs = static_cast<int32_t>(bs);
     params.plan_width = static_cast<int32_t>(PW.unwrap());
 
-    const size_t smem = sizeof(int32_t) * (bs + 1);
-    LaunchKernel(static_cast<uint32_t>(num_blocks), kCopyThreads, cuda.unwrap(), smem)(
-        copy_planned_kernel<kItemBytes, kLayout>, params);
+    if constexpr (kThreads == kWarp) {
+      LaunchKernel(static_cast<uint32_t>(num_blocks), kWarp, cuda.unwrap())(
+          copy_planned_warp_kernel<kItemBytes, kLayout>, params);
+    } else {
+      const size_t smem = sizeof(int32_t) * (bs + 1);
+      LaunchKernel(static_cast<uint32_t>(num_blocks), kCopyThreads, cuda.unwrap(), smem)(
+          copy_planned_kernel<kItemBytes, kLayout>, params);
+    }
   }
 };
 

@@ -319,10 +319,12 @@ def copy_planned(
     *,
     layout: str = "rows",
     num_blocks: Optional[int] = None,
+    threads: int = 512,
 ) -> None:
     """Reference plan replay: for real row b and m < miss_count[b] (clamped
-    to the plan width), device_kv[miss_dst[b, m]] = host_kv[miss_src[b, m]]."""
-    del num_blocks
+    to the plan width), device_kv[miss_dst[b, m]] = host_kv[miss_src[b, m]].
+    (The grid and block shape move the same bytes.)"""
+    del num_blocks, threads
     real = real_rows(num_real_reqs, miss_src.size(0))
     width = miss_src.size(1)
     counts = miss_count[:real].tolist()

@@ -22,6 +22,7 @@ def compile_variants(
     block_size: Optional[int] = None,
     hash_scale: Optional[int] = None,
     copy_planned: bool = False,
+    copy_planned_threads: Iterable[int] = (512,),
     exactness_check: bool = False,
     device_buffer_size: Optional[int] = None,
     swap_in_block_size: Optional[int] = None,
@@ -34,7 +35,8 @@ def compile_variants(
     list the values of those axes to build (their product is built; so
     does ``draft_tokens``, the rows per request: 1 decodes, n > 1 verifies
     n speculative tokens),
-    ``copy_planned`` adds the plan replay and ``exactness_check`` the
+    ``copy_planned`` adds the plan replay (one build per block shape in
+    ``copy_planned_threads``) and ``exactness_check`` the
     SGLANG_HISPARSE_CHECK kernel. Works without a GPU as long as nvcc is
     installed (the target is then sm_90a). ``device_buffer_size`` and
     ``swap_in_block_size`` are the ``--hisparse-config`` spellings of
@@ -64,8 +66,9 @@ def compile_variants(
                         swap_mod.swap_in_module(variant)
                         built.append(variant.name(layout))
         if copy_planned:
-            copy_mod.copy_planned_module(item_bytes, lid)
-            built.append(copy_mod.variant_name(item_bytes, layout))
+            for threads in dict.fromkeys(int(t) for t in copy_planned_threads):
+                copy_mod.copy_planned_module(item_bytes, lid, threads)
+                built.append(copy_mod.variant_name(item_bytes, layout, threads))
         if exactness_check:
             exactness.check_module(item_bytes, lid)
             built.append(exactness.variant_name(item_bytes, layout))
