@@ -348,22 +348,39 @@ def dsa_indexer_token_bytes(index_head_dim: int) -> int:
     return index_head_dim + index_head_dim // DSA_QUANT_BLOCK * DSA_SCALE_BYTES
 
 
+def dsa_draft_extra_token_bytes(kv_lora_rank: int, qk_rope_head_dim: int, index_head_dim: int,
+                                kv_cache_dtype: str, draft_layers: int, ratio: int) -> int:
+    """GPU bytes a HiSparse MTP draft adds per device-pool token beyond what
+    its base pool takes: the draft's (non-HiSparse) DSA pool spans the
+    logical space, ratio x the device rows (adapter/speculative.py
+    draft_pool_for_logical_ids), each row a latent as laid out plus the
+    indexer K, in ``draft_layers`` layers. SGLang's pool configurator never
+    counts the draft (base's draft pool comes out of the activation
+    headroom too), so only the (ratio - 1) extra copies are charged."""
+    row = dsa_row_bytes(kv_lora_rank, qk_rope_head_dim, kv_cache_dtype) or 0
+    return (ratio - 1) * (row + dsa_indexer_token_bytes(index_head_dim)) * draft_layers
+
+
 def dsa_device_token_bytes(kv_lora_rank: int, qk_rope_head_dim: int, index_head_dim: int,
                            kv_cache_dtype: str, layers: int, indexer_ratio: int = 1,
-                           latent_with_scales: bool = False) -> int | None:
+                           latent_with_scales: bool = False, draft_layers: int = 0) -> int | None:
     """GPU bytes SGLang's pool configurator charges one token, all layers: the
     latent (kv_lora_rank + qk_rope_head_dim elements of the KV dtype; 0.5.13
     does not count the FP8 scales, 0.5.17 counts the row as the pool lays it
     out: ``latent_with_scales``) plus the indexer K cache, which stays on the
     GPU only (0.5.13 DefaultPoolConfigurator._compute_cell_size), times
     ``indexer_ratio`` (0.5.17 charges the HiSparse indexer, sized for the
-    logical space, at host_to_device_ratio)."""
+    logical space, at host_to_device_ratio), plus a HiSparse MTP draft's
+    extra copies (:func:`dsa_draft_extra_token_bytes`; ``draft_layers`` 0
+    without one)."""
     dtype = canonical_kv_cache_dtype(kv_cache_dtype)
     if dtype not in _KV_ELEMENT_BYTES:
         return None
     latent = (dsa_row_bytes(kv_lora_rank, qk_rope_head_dim, dtype) if latent_with_scales
               else (kv_lora_rank + qk_rope_head_dim) * _KV_ELEMENT_BYTES[dtype])
-    return (latent + dsa_indexer_token_bytes(index_head_dim) * indexer_ratio) * layers
+    return ((latent + dsa_indexer_token_bytes(index_head_dim) * indexer_ratio) * layers
+            + dsa_draft_extra_token_bytes(kv_lora_rank, qk_rope_head_dim, index_head_dim,
+                                          kv_cache_dtype, draft_layers, indexer_ratio))
 
 
 @dataclass(frozen=True)

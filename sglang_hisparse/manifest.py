@@ -471,7 +471,9 @@ HOOKS: tuple[Entry, ...] = (
             "0.5.13 sizes the device pool from GPU memory by a per-token cell that counts "
             "a DSA token's indexer K once; the HiSparse pool holds the indexer for the "
             "logical space (host_to_device_ratio x the rows), so an auto-sized pool "
-            "over-commits the GPU by (ratio - 1) indexer copies per token and layer."
+            "over-commits the GPU by (ratio - 1) indexer copies per token and layer; "
+            "under MTP the draft's pool spans the logical space too, and its (ratio - 1) "
+            "extra rows are charged here as well."
         ),
         native_in="0.5.17",
         impl="sglang_hisparse.adapter.model_runner:hisparse_indexer_cell_size",

@@ -130,6 +130,49 @@ def test_sizes_equal_sglangs_own(sglang_server_args, monkeypatch, dtype, torch_d
                                   indexer_ratio=ratio, **current.dsa_cell_accounting()) == cell
 
 
+@pytest.mark.parametrize("ratio", [2, 4])
+def test_an_mtp_draft_pool_for_the_logical_space_is_charged(sglang_server_args, ratio):
+    """Under MTP the draft's pool spans the logical space (ratio x the device
+    rows, draft_pool_for_logical_ids): the cell-size hook charges its
+    (ratio - 1) extra rows, latent as laid out plus indexer K, per NextN
+    layer, and the host-memory estimate counts the same. Only where the
+    release's verify seams are wired (elsewhere the rules refuse MTP)."""
+    import copy
+
+    from sglang_hisparse.adapter.model_runner import hisparse_indexer_cell_size
+    from sglang_hisparse.adapter.releases import current
+    from sglang_hisparse.adapter.speculative import hisparse_draft_layers
+    from sglang_hisparse.manifest import ENTRIES
+    from sglang_hisparse.pinned_source import sglang_version
+
+    args = sglang_server_args(hisparse_config=json.dumps({"host_to_device_ratio": ratio}))
+    spec = copy.copy(args)
+    object.__setattr__(spec, "speculative_algorithm", "EAGLE")
+    mc = args.get_model_config()
+    assert hisparse_draft_layers(args, mc) == 0
+    # The kit's config names no NextN layer: the one a NextN draft builds.
+    assert mc.num_nextn_predict_layers in (0, None)
+    draft_layers = hisparse_draft_layers(spec, mc)
+    assert draft_layers == (1 if current.speculative_seams_wired() else 0)
+    row = dsa_row_bytes(mc.kv_lora_rank, mc.qk_rope_head_dim, args.kv_cache_dtype)
+    assert row in (1152, 656)  # SGLang resolved the dtype
+    indexer = mc.hf_config.index_head_dim + mc.hf_config.index_head_dim // 128 * 4
+    (entry,) = [e for e in ENTRIES if e.impl and e.impl.endswith(":hisparse_indexer_cell_size")]
+    if entry.applies_to(sglang_version()):
+        layers, cell = mc.num_hidden_layers, 1000
+        runner = SimpleNamespace(model_config=mc, server_args=args, use_mla_backend=True,
+                                 is_draft_worker=False)
+        plain = hisparse_indexer_cell_size(cell, None, runner, layers)
+        with_draft = hisparse_indexer_cell_size(
+            cell, None, SimpleNamespace(**{**vars(runner), "server_args": spec}), layers)
+        assert with_draft - plain == (ratio - 1) * (row + indexer) * draft_layers
+    kw = dict(indexer_ratio=ratio, **current.dsa_cell_accounting())
+    geometry = (mc.kv_lora_rank, mc.qk_rope_head_dim, mc.hf_config.index_head_dim,
+                args.kv_cache_dtype, mc.num_hidden_layers)
+    assert (dsa_device_token_bytes(*geometry, **kw, draft_layers=draft_layers)
+            - dsa_device_token_bytes(*geometry, **kw)) == (ratio - 1) * (row + indexer) * draft_layers
+
+
 @pytest.mark.parametrize("dtype,kv_dim,row", [(torch.bfloat16, 576, 1152),
                                               (torch.float8_e4m3fn, 656, 656)])
 def test_estimate_is_what_our_dsa_host_pool_allocates(dtype, kv_dim, row):

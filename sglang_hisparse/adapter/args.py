@@ -268,6 +268,7 @@ def host_kv_layout(server_args, model_config, family: ModelFamily) -> Optional[H
         from sglang.srt.configs.model_config import get_dsa_index_head_dim
 
         from sglang_hisparse.adapter import releases
+        from sglang_hisparse.adapter.speculative import hisparse_draft_layers
 
         row = dsa_row_bytes(model_config.kv_lora_rank, model_config.qk_rope_head_dim,
                             server_args.kv_cache_dtype)
@@ -285,7 +286,8 @@ def host_kv_layout(server_args, model_config, family: ModelFamily) -> Optional[H
             device_token_bytes=None if ratio is None else dsa_device_token_bytes(
                 model_config.kv_lora_rank, model_config.qk_rope_head_dim,
                 get_dsa_index_head_dim(model_config.hf_config), server_args.kv_cache_dtype,
-                layers, indexer_ratio=ratio, **releases.current.dsa_cell_accounting()),
+                layers, indexer_ratio=ratio, **releases.current.dsa_cell_accounting(),
+                draft_layers=hisparse_draft_layers(server_args, model_config)),
             description=f"{row} B rows x {layers} layers",
         )
     if family is ModelFamily.DEEPSEEK_V4:

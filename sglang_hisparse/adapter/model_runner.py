@@ -218,11 +218,14 @@ def hisparse_indexer_cell_size(cell_size, self, mr, num_layers):
     indexer scores every token, host-backed ones included). Without the other
     (ratio - 1) copies an auto-sized pool takes more GPU memory than the
     configurator gave it, out of what it left for activations. 0.5.17 charges
-    them itself. The draft's pool is not HiSparse and keeps the count."""
+    them itself. The draft's pool is not HiSparse and keeps the count, but
+    under MTP it spans the logical space (speculative.draft_pool_for_logical_ids),
+    so the target's cell also carries that pool's (ratio - 1) extra copies."""
     from sglang.srt.configs.model_config import get_dsa_index_head_dim, is_deepseek_dsa
 
     from sglang_hisparse.adapter.args import resolved_hisparse_config
-    from sglang_hisparse.arg_rules import dsa_indexer_token_bytes
+    from sglang_hisparse.adapter.speculative import hisparse_draft_layers
+    from sglang_hisparse.arg_rules import dsa_draft_extra_token_bytes, dsa_indexer_token_bytes
 
     server_args = mr.server_args
     if (not server_args.enable_hisparse or getattr(mr, "is_draft_worker", False)
@@ -231,5 +234,10 @@ def hisparse_indexer_cell_size(cell_size, self, mr, num_layers):
     ratio = resolved_hisparse_config(server_args).host_to_device_ratio
     # The host-memory check's estimate (arg_rules.dsa_device_token_bytes)
     # charges the same bytes, so the two cannot drift apart.
-    per_token = dsa_indexer_token_bytes(get_dsa_index_head_dim(mr.model_config.hf_config))
-    return cell_size + (ratio - 1) * per_token * num_layers
+    mc = mr.model_config
+    index_head_dim = get_dsa_index_head_dim(mc.hf_config)
+    per_token = dsa_indexer_token_bytes(index_head_dim)
+    draft = dsa_draft_extra_token_bytes(
+        mc.kv_lora_rank, mc.qk_rope_head_dim, index_head_dim, server_args.kv_cache_dtype,
+        hisparse_draft_layers(server_args, mc), ratio)
+    return cell_size + (ratio - 1) * per_token * num_layers + draft

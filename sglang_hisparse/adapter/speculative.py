@@ -96,15 +96,30 @@ def draft_runner_without_hisparse(self, *args, **kwargs):
     return None
 
 
+def hisparse_draft_layers(server_args, model_config) -> int:
+    """Layers of the MTP draft whose pool :func:`draft_pool_for_logical_ids`
+    sizes for the logical space: 0 unless speculative decoding runs with
+    HiSparse on a release whose verify seams are wired (elsewhere the rules
+    refuse it). The draft is the checkpoint's NextN layers
+    (``num_nextn_predict_layers``, as 0.5.13's draft runner counts them;
+    one where the config names none)."""
+    if (not getattr(server_args, "enable_hisparse", False)
+            or getattr(server_args, "speculative_algorithm", None) is None
+            or not releases.current.speculative_seams_wired()):
+        return 0
+    nextn = getattr(model_config, "num_nextn_predict_layers", None)
+    return int(nextn) if nextn else 1
+
+
 def draft_pool_for_logical_ids(original, self, *args, **kwargs):
     """AROUND ``ModelRunnerKVCacheMixin._init_pools`` (0.5.13
     ``model_runner_kv_cache_mixin.py:292``; 0.5.17: ``KVCacheConfigurator._init_pools``,
     the sizes an argument): the draft runner sizes its pool
     with the target's device token count, but the shared allocator hands out
     logical slots up to the host-backed logical space, which the draft's
-    writes index; its pool spans that space. (Its memory is not in the
-    target's profile: a one-layer pool, host_to_device_ratio times the
-    device pool's token count.)"""
+    writes index; its pool spans that space. (SGLang's profile never counts
+    a draft's pool; the target's cell-size hook charges the (ratio - 1)
+    extra copies, :func:`hisparse_draft_layers`.)"""
     alloc = getattr(self, "token_to_kv_pool_allocator", None)
     if not getattr(self, "is_draft_worker", False) or not hasattr(alloc, "logical_capacity"):
         return original(self, *args, **kwargs)
