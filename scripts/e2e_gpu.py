@@ -26,6 +26,10 @@ Configurations:
           synchronously; ours prefetches their misses. With ours, sync and
           noio in one run, an IndexShare table gives ours / noio throughput
           and how much of the sync - noio TPOT gap the prefetch closes
+  warp    ours with SGLANG_HISPARSE_PREFETCH_GRID=smx32: the IndexShare
+          prefetch replays with one-warp blocks, one per SM (ours: one
+          512-thread block per SM); with sync and noio in the run the
+          IndexShare table gets a row for it beside ours'
   nograph ours with --disable-cuda-graph (every verify / decode step eager)
   nores   ours with SGLANG_HISPARSE_RESIDENCY=0 (every request staged to host
           and decoded from a hot buffer; ours keeps requests resident while
@@ -213,18 +217,20 @@ WORKLOADS = {
 # of a launch is the workload's flags and this).
 WORKLOAD_ENV = {"drain": {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "20"}}
 
-CONFIGS = ("base", "native", "ours", "nopark", "stream", "nostream", "noio", "sync", "nograph", "nores",
-           "stock", "ref")
+CONFIGS = ("base", "native", "ours", "nopark", "stream", "nostream", "noio", "sync", "warp", "nograph",
+           "nores", "stock", "ref")
 # Configurations whose server runs this work tree's data plane, and what
 # --check must find in them: noio skips the host copies, a planted fault.
 CHECK_EXPECT = {"ours": "exact", "nopark": "exact", "stream": "exact", "nostream": "exact", "sync": "exact",
-                "nograph": "exact", "nores": "exact", "noio": "mismatch"}
+                "warp": "exact", "nograph": "exact", "nores": "exact", "noio": "mismatch"}
 CHECK_ENV = "SGLANG_HISPARSE_CHECK"
 EXPERIMENTAL_MTP_ENV = "SGLANG_HISPARSE_EXPERIMENTAL_MTP"
 SYNTHETIC_ENV = "SGLANG_HISPARSE_SYNTHETIC_TOPK"
 # Where --synthetic reaches: this work tree's data plane, and SGLang's own
 # through the plugin's native-mode hook (adapter/native.py).
-SYNTHETIC_CONFIGS = ("ours", "nopark", "stream", "nostream", "noio", "sync", "native")
+SYNTHETIC_CONFIGS = ("ours", "nopark", "stream", "nostream", "noio", "sync", "warp", "native")
+# The IndexShare prefetch configurations, each compared with sync and noio.
+PREFETCH_CONFIGS = ("ours", "warp")
 
 
 STEP_TIMER_DIR = Path(__file__).resolve().parent / "steptimer"
@@ -343,6 +349,8 @@ def server_cmd(model: str, port: int, config: str, extra: list[str],
         env["SGLANG_HISPARSE_STREAMING"] = "1"
     if config == "sync":
         env["SGLANG_HISPARSE_INDEXSHARE_PREFETCH"] = "0"
+    if config == "warp":
+        env["SGLANG_HISPARSE_PREFETCH_GRID"] = "smx32"
     if config == "nograph":
         args += ["--disable-cuda-graph"]
     if config == "nores":
@@ -1261,7 +1269,7 @@ def merge(args) -> int:
             for w, runs in by_w.items():
                 results.setdefault(cfg, {}).setdefault(w, []).extend(runs)
         launches += [dict(x, source=str(path)) for x in data.get("launches", [])]
-    order = [c for c in ("base", "native", "ref", "ours", "sync", "nograph", "nores", "nopark",
+    order = [c for c in ("base", "native", "ref", "ours", "warp", "sync", "nograph", "nores", "nopark",
                          "stream", "nostream", "noio", "stock") if c in results]
     configs = order + [c for c in results if c not in order]
     workloads = sorted({w for by_w in results.values() for w in by_w})
@@ -1389,38 +1397,44 @@ def indexshare_ratios(ours: dict, sync: dict, noio: dict, decode: tuple = ()) ->
 
 
 def summarize_indexshare(summary: list[dict], decode: list[dict] = ()) -> list[dict]:
-    """Per workload with ours, sync and noio: the IndexShare prefetch's ratios
-    (a second line from the decode table when given)."""
+    """Per workload and prefetch configuration (ours; warp, its one-warp
+    replay blocks) run beside sync and noio: the IndexShare prefetch's ratios
+    (a second line from the decode table when given). Rows of warp are
+    labelled WORKLOAD/warp."""
     by = {(r["workload"], r["config"]): r for r in summary}
     by_decode = {(r["workload"], r["config"]): r for r in decode}
     rows = []
     f = lambda v, spec=".2f": format(v, spec) if v is not None else "-"  # noqa: E731
     met = lambda row, key: "met" if row.get(f"{key}_target_met") else "NOT met"  # noqa: E731
     for w in sorted({r["workload"] for r in summary}):
-        if not all((w, c) in by for c in ("ours", "sync", "noio")):
-            continue
-        three = tuple(by_decode[(w, c)] for c in ("ours", "sync", "noio")
-                      if (w, c) in by_decode)
-        row = {"workload": w, **indexshare_ratios(by[(w, "ours")], by[(w, "sync")],
-                                                  by[(w, "noio")], three if len(three) == 3 else ())}
-        rows.append(row)
-        if len(rows) == 1:
-            print("\nIndexShare (ours = prefetch, sync = synchronous, noio = skip-IO): "
-                  "ours/noio tok/s (target >= 0.85), sync/noio, TPOT ours/sync/noio ms, "
-                  "share of the sync-noio TPOT gap closed (target >= 0.33); "
-                  "indexshare-decode: the same from the decode-only rate and the server's "
-                  "decode step (no prefill in them)")
-        print(f"indexshare {w:<11} {f(row.get('tok_s_vs_noio'))} "
-              f"({met(row, 'tok_s_vs_noio')})   "
-              f"{f(row.get('sync_tok_s_vs_noio'))}   {f(row.get('tpot_ms'))} / "
-              f"{f(row.get('sync_tpot_ms'))} / {f(row.get('noio_tpot_ms'))}   "
-              f"{f(row.get('tpot_gap_closed'))} ({met(row, 'tpot_gap_closed')})", flush=True)
-        if "decode_only_vs_noio" in row or "step_gap_closed" in row:
-            print(f"indexshare-decode {w:<11} {f(row.get('decode_only_vs_noio'))} "
-                  f"({met(row, 'decode_only_vs_noio')})   "
-                  f"{f(row.get('sync_decode_only_vs_noio'))}   {f(row.get('step_ms'))} / "
-                  f"{f(row.get('sync_step_ms'))} / {f(row.get('noio_step_ms'))}   "
-                  f"{f(row.get('step_gap_closed'))} ({met(row, 'step_gap_closed')})", flush=True)
+        for prefetch in PREFETCH_CONFIGS:
+            if not all((w, c) in by for c in (prefetch, "sync", "noio")):
+                continue
+            three = tuple(by_decode[(w, c)] for c in (prefetch, "sync", "noio")
+                          if (w, c) in by_decode)
+            row = {"workload": w, "config": prefetch,
+                   **indexshare_ratios(by[(w, prefetch)], by[(w, "sync")], by[(w, "noio")],
+                                       three if len(three) == 3 else ())}
+            rows.append(row)
+            if len(rows) == 1:
+                print("\nIndexShare (ours = prefetch, sync = synchronous, noio = skip-IO; "
+                      "WORKLOAD/warp: the prefetch with one-warp replay blocks): "
+                      "ours/noio tok/s (target >= 0.85), sync/noio, TPOT ours/sync/noio ms, "
+                      "share of the sync-noio TPOT gap closed (target >= 0.33); "
+                      "indexshare-decode: the same from the decode-only rate and the server's "
+                      "decode step (no prefill in them)")
+            label = w if prefetch == "ours" else f"{w}/{prefetch}"
+            print(f"indexshare {label:<11} {f(row.get('tok_s_vs_noio'))} "
+                  f"({met(row, 'tok_s_vs_noio')})   "
+                  f"{f(row.get('sync_tok_s_vs_noio'))}   {f(row.get('tpot_ms'))} / "
+                  f"{f(row.get('sync_tpot_ms'))} / {f(row.get('noio_tpot_ms'))}   "
+                  f"{f(row.get('tpot_gap_closed'))} ({met(row, 'tpot_gap_closed')})", flush=True)
+            if "decode_only_vs_noio" in row or "step_gap_closed" in row:
+                print(f"indexshare-decode {label:<11} {f(row.get('decode_only_vs_noio'))} "
+                      f"({met(row, 'decode_only_vs_noio')})   "
+                      f"{f(row.get('sync_decode_only_vs_noio'))}   {f(row.get('step_ms'))} / "
+                      f"{f(row.get('sync_step_ms'))} / {f(row.get('noio_step_ms'))}   "
+                      f"{f(row.get('step_gap_closed'))} ({met(row, 'step_gap_closed')})", flush=True)
     return rows
 
 

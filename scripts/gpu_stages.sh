@@ -143,7 +143,7 @@
 #             model given index_topk_pattern GF_INDEX_PATTERN (FSSS; e.g.
 #             FSFS) with configs GF_INDEXSHARE_CONFIGS (base,ours,sync,noio:
 #             ours prefetches, sync has SGLANG_HISPARSE_INDEXSHARE_PREFETCH=0,
-#             noio SGLANG_HISPARSE_SKIP_IO=1) on GF_INDEXSHARE_WORKLOADS
+#             noio SGLANG_HISPARSE_SKIP_IO=1; also warp) on GF_INDEXSHARE_WORKLOADS
 #             (capacity: host IO), --check unless GF_INDEXSHARE_CHECK=0
 #             (ours and sync must be exact, noio caught; logprobs vs base),
 #             GF_INDEXSHARE_REPEATS (1) rounds. Prints the IndexShare line:
@@ -159,8 +159,10 @@
 #             GF_INDEXSHARE_SYNTHETIC=calibrated the calibrated top-k
 #             (default: the random weights' own). The IndexShare line then
 #             has an indexshare-decode row (decode-only rate, server step).
-#             SGLANG_HISPARSE_PREFETCH_GRID (e.g. 8x512, smx32) passes to
-#             the servers: the replay grid of ours; pin the cores
+#             Config warp is ours with one-warp replay blocks
+#             (SGLANG_HISPARSE_PREFETCH_GRID=smx32; the line gets a
+#             WORKLOAD/warp row); SGLANG_HISPARSE_PREFETCH_GRID set on the
+#             command reaches every config. Pin the cores
 #             (GF_CPUS=fastest:4), or the cores' spread (2x) decides.
 #   dsv4      DeepSeek-V4 (issue #19; NOT RUN ON A GPU YET): the tiny
 #             random-weight model tests/data/tiny-dsv4 (4 layers, compress

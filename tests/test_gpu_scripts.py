@@ -639,6 +639,17 @@ def test_sync_config_turns_the_prefetch_off_and_the_ratios(capsys):
     assert not row["decode_only_vs_noio_target_met"]
     out = capsys.readouterr().out
     assert "indexshare-decode capacity    0.80 (NOT met)   0.50   5.00 / 8.00 / 4.00   0.75 (met)" in out
+    # warp: the prefetch with one-warp replay blocks gets its own rows.
+    _, env = e2e.server_cmd("/m", 1, "warp", [])
+    assert env["SGLANG_HISPARSE_PREFETCH_GRID"] == "smx32" and e2e.CHECK_EXPECT["warp"] == "exact"
+    summary.append({"workload": "capacity", "config": "warp", "output_tok_s": 95.0, "tpot_ms": 10.5,
+                    "decode_step_ms": 4.5})
+    decode.append({"workload": "capacity", "config": "warp", "decode_only_tok_s": 900.0})
+    ours, warp = e2e.summarize_indexshare(summary, decode)
+    assert (ours["config"], warp["config"]) == ("ours", "warp")
+    assert warp["decode_only_vs_noio"] == 0.9 and warp["step_gap_closed"] == 0.875
+    out = capsys.readouterr().out
+    assert "indexshare-decode capacity/warp 0.90 (met)   0.50   4.50 / 8.00 / 4.00   0.88 (met)" in out
 
 
 def test_log_stats_reads_the_prefetch_state(tmp_path):
