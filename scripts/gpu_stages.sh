@@ -568,6 +568,17 @@ mtpprof_cmd() {
     --no-stack --extra "--max-total-tokens 40000" --out "$RUN/mtpprof"
 }
 
+indexshare_need_s() {
+  # What the stage needs before it starts: a launch and its workload per
+  # config and round, ~100 s on the V3.2 geometry (2026-12-03-s5: 295 s for
+  # three warm) and ~60 s on the kit model; a stage started with less only
+  # times out after its first configs.
+  local configs=${GF_INDEXSHARE_CONFIGS:-base,ours,sync,noio} per=60
+  [ -n "${GF_INDEXSHARE_LAYERS:-}" ] && per=100
+  local n; n=$(tr ',' '\n' <<< "$configs" | grep -c .)
+  echo $(( 30 + per * n * ${GF_INDEXSHARE_REPEATS:-1} ))
+}
+
 indexshare_cmd() {
   local check=(--check --warmup 0)
   [ "${GF_INDEXSHARE_CHECK:-1}" = 0 ] && check=()
@@ -728,7 +739,7 @@ trace_cmd"
         IS_TESTS_PID=$!
         say "== indexshare-tests: started in the background (pid $IS_TESTS_PID)"
       fi
-      run_stage indexshare 150 540 bash -c "$(declare -f indexshare_cmd); $(declare -p E2E CPU_ARGS RUN); indexshare_cmd"
+      run_stage indexshare "$(indexshare_need_s)" 540 bash -c "$(declare -f indexshare_cmd); $(declare -p E2E CPU_ARGS RUN); indexshare_cmd"
       if [ -n "${IS_TESTS_PID:-}" ]; then
         wait "$IS_TESTS_PID"; IS_TESTS_PID=""
         show indexshare-tests

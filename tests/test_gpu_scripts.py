@@ -853,3 +853,26 @@ def test_kbench_runs_the_tables_gf_kbench_names(tmp_path):
     assert run("overlap") == (0, ["scripts/bench_kernels.py --overlap --json /r/kbench_overlap.json"])
     assert run("overlap bogus") == (2, ["scripts/bench_kernels.py --overlap --json /r/kbench_overlap.json",
                                         "GF_KBENCH: unknown table bogus (decode verify overlap)"])
+
+
+def test_indexshare_waits_for_the_time_its_launches_need():
+    """gpu_stages.sh's indexshare_need_s: the stage starts only with ~100 s
+    per launch on the V3.2 geometry (~60 s on the kit model), times rounds;
+    2026-12-03-s5's run 3 started three V3.2 launches with 215 s and timed
+    out after the first."""
+    import re
+    import subprocess
+
+    text = (SCRIPTS / "gpu_stages.sh").read_text()
+    function = re.search(r"^indexshare_need_s\(\) \{\n.*?^\}\n", text, re.M | re.S).group(0)
+    assert 'run_stage indexshare "$(indexshare_need_s)"' in text
+
+    def need(**env):
+        out = subprocess.run(["bash", "-c", function + "indexshare_need_s"], capture_output=True,
+                             text=True, env={"PATH": os.environ["PATH"], **env}, check=True)
+        return int(out.stdout)
+
+    assert need() == 30 + 60 * 4
+    assert need(GF_INDEXSHARE_LAYERS="8", GF_INDEXSHARE_CONFIGS="ours,sync,noio") == 330
+    assert need(GF_INDEXSHARE_LAYERS="8", GF_INDEXSHARE_CONFIGS="ours,warp,sync,noio",
+                GF_INDEXSHARE_REPEATS="2") == 30 + 100 * 8
