@@ -161,12 +161,15 @@ class IndexSharePrefetch:
             return
         plan = self.plan(requests)
         streams = self.streams
+
+        def replay(layer: int) -> None:
+            host_kv, device_kv = pools(layer)
+            copy(**plan, num_real_reqs=num_real_reqs, host_kv=host_kv, device_kv=device_kv,
+                 layout=layout, num_blocks=self.grid.blocks, threads=self.grid.threads)
+
         if not streams.gpu:
             for layer in followers:
-                host_kv, device_kv = pools(layer)
-                copy(**plan, num_real_reqs=num_real_reqs, host_kv=host_kv, device_kv=device_kv,
-                     layout=layout, num_blocks=self.grid.blocks,
-                     threads=self.grid.threads)
+                replay(layer)
             self.replays += len(followers)
             return
         self.anchor_done.record()
@@ -175,10 +178,7 @@ class IndexSharePrefetch:
             for layer in followers:
                 if self.link_delay_cycles:
                     torch.cuda._sleep(self.link_delay_cycles)
-                host_kv, device_kv = pools(layer)
-                copy(**plan, num_real_reqs=num_real_reqs, host_kv=host_kv, device_kv=device_kv,
-                     layout=layout, num_blocks=self.grid.blocks,
-                     threads=self.grid.threads)
+                replay(layer)
                 self.landed[layer].record(streams.prefetch)
         self.pending.update(followers)
         self.replays += len(followers)
