@@ -9,18 +9,19 @@
 #                                      /tmp survives while the machine is warm
 #   source scripts/dsv4_env.sh [TAR]   after `source .gpu/device_env.sh` (the
 #                                      kit's torch and tvm_ffi): unpack if not
-#                                      done yet, put site/ on PYTHONPATH, libz3
-#                                      and the kit's libtvm_ffi on
+#                                      done yet, put site/ on PYTHONPATH, lib/
+#                                      (libz3) and the kit's libtvm_ffi on
 #                                      LD_LIBRARY_PATH, cloudpickle / ml_dtypes
 #                                      from fallback/ only where the image's
-#                                      do not import, then `import tilelang`;
-#                                      returns 1 (and says why) when it fails
+#                                      do not import, then `import tilelang`
+#                                      and torch's z3 probe; returns 1 (and
+#                                      says why) when either fails
 # DSV4_PY: the Python to check with (default python3).
 _d4_tar=${1:-.bundle/dsv4.tar.xz}
 DSV4_ROOT=${DSV4_ROOT:-${TMPDIR:-/tmp}/dsv4}
 _d4_fail() {
   echo "dsv4_env: $*" >&2
-  unset _d4_tar _d4_py _d4_err _d4_ffi
+  unset _d4_tar _d4_py _d4_err _d4_ffi _d4_z3
   return 1 2>/dev/null || exit 1
 }
 if [ ! -f "$DSV4_ROOT/.ok" ]; then
@@ -45,18 +46,26 @@ if ! "$_d4_py" -c 'import cloudpickle, ml_dtypes' 2>/dev/null; then
   export PYTHONPATH="$PYTHONPATH:$DSV4_ROOT/fallback"
   echo "dsv4_env: cloudpickle / ml_dtypes from $DSV4_ROOT/fallback"
 fi
-# libtvm.so's RUNPATH finds libz3.so beside it ($ORIGIN/../../z3/lib) but
-# tvm_ffi/lib only where tvm_ffi sits in the same folder, which the kit's does not.
+# libz3.so sits in lib/, outside site/ (pack_dsv4.sh says why), and libtvm.so's
+# RUNPATH finds tvm_ffi/lib only where tvm_ffi sits in the same folder, which
+# the kit's does not: both come from LD_LIBRARY_PATH.
 _d4_ffi=$("$_d4_py" -c 'import os, tvm_ffi; print(os.path.join(os.path.dirname(tvm_ffi.__file__), "lib"))' 2>/dev/null) \
   || { _d4_fail "tvm_ffi does not import (source .gpu/device_env.sh first)"; return 1 2>/dev/null || exit 1; }
-export LD_LIBRARY_PATH="$DSV4_ROOT/site/z3/lib:$_d4_ffi${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export LD_LIBRARY_PATH="$DSV4_ROOT/lib:$_d4_ffi${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 if ! _d4_err=$("$_d4_py" -c 'import tilelang; print(tilelang.__file__)' 2>&1); then
   _d4_fail "import tilelang fails: $(echo "$_d4_err" | tail -1)"
+  return 1 2>/dev/null || exit 1
+fi
+# torch's dynamo imports z3 where it can (torch.fx.experimental.validator,
+# reached by the MoE top-k's torch.compile): an importable z3 that is not the
+# real module (an older tarball's site/z3/ folder) kills the first forward.
+if ! _d4_z3=$("$_d4_py" -c 'import torch.fx.experimental.validator' 2>&1); then
+  _d4_fail "torch's z3 probe fails with $DSV4_ROOT/site on PYTHONPATH: $(echo "$_d4_z3" | tail -1)"
   return 1 2>/dev/null || exit 1
 fi
 case $_d4_err in
   "$DSV4_ROOT"/site/*) ;;
   *) echo "dsv4_env: tilelang comes from $(echo "$_d4_err" | tail -1), not $DSV4_ROOT/site" >&2 ;;
 esac
-unset _d4_tar _d4_py _d4_err _d4_ffi
+unset _d4_tar _d4_py _d4_err _d4_ffi _d4_z3
 unset -f _d4_fail

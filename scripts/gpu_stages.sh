@@ -164,7 +164,7 @@
 #             WORKLOAD/warp row); SGLANG_HISPARSE_PREFETCH_GRID set on the
 #             command reaches every config. Pin the cores
 #             (GF_CPUS=fastest:4), or the cores' spread (2x) decides.
-#   dsv4      DeepSeek-V4 (issue #19; NOT RUN ON A GPU YET): the tiny
+#   dsv4      DeepSeek-V4 (issue #19; launched 2026-12-04, not yet served): the tiny
 #             random-weight model tests/data/tiny-dsv4 (4 layers, compress
 #             ratios 0/4/128/4, index_topk 512, one NextN layer) served by
 #             e2e_gpu.py, which gives a V4 model its own flags (SGLang forces

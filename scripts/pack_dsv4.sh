@@ -46,17 +46,23 @@
 #   tilelang-0.1.8.dist-info/RECORD         1 MB: pip's uninstall list
 #   z3-solver: all but z3/lib/libz3.so (stripped of symbols): nothing
 #       imports the z3 Python module (tilelang and its bundled TVM Python
-#       never do); libtvm.so finds libz3.so by RUNPATH $ORIGIN/../../z3/lib,
-#       i.e. site/z3/lib beside site/tilelang. Dropped: the z3 binary
-#       (22 MB), libz3.so.4.15 (a second copy), headers, the Python module
+#       never do). Dropped: the z3 binary (22 MB), libz3.so.4.15 (a second
+#       copy), headers, the Python module. The library goes to lib/, outside
+#       site/: a site/z3/ folder without the module is still importable as a
+#       namespace package, and torch's dynamo (torch.fx.experimental.
+#       validator, reached by the MoE top-k's torch.compile) takes a
+#       successful `import z3` for the real module and fails on z3.ExprRef
+#       (2026-12-04, the first V4 launch on the H200). libtvm.so's RUNPATH
+#       ($ORIGIN/../../z3/lib) then finds nothing; dsv4_env.sh puts lib/ on
+#       LD_LIBRARY_PATH, which the loader searches first
 #   __pycache__ everywhere
 # Kept whole: tilelang/lib (libtvm.so, libtilelang.so, the CUDA stubs, the
 # cython wrapper), tilelang's Python, tilelang/src (TL_TEMPLATE_PATH: the
 # tl_templates headers every kernel includes), cutlass/include, TVM's Python
 # package (tilelang/env.py puts 3rdparty/tvm/python on sys.path).
 #
-# Layout of the tarball: site/ (tilelang, z3/lib), fallback/ (cloudpickle,
-# ml_dtypes), MANIFEST. libtvm.so's RUNPATH also names $ORIGIN/../../tvm_ffi/
+# Layout of the tarball: site/ (tilelang), lib/ (libz3.so), fallback/
+# (cloudpickle, ml_dtypes), MANIFEST. libtvm.so's RUNPATH also names $ORIGIN/../../tvm_ffi/
 # lib, which is the kit's /tmp/site, not this site/: dsv4_env.sh puts the
 # kit's tvm_ffi/lib on LD_LIBRARY_PATH (tvm_ffi's own import loads it first
 # anyway).
@@ -107,8 +113,8 @@ unzip -p "$Z3_WHL" '*.dist-info/METADATA' | grep '^Requires-Dist' | grep -v 'pyt
   && { echo "z3-solver has requirements beyond importlib-resources (<3.9)" >&2; exit 1; }
 
 echo "== stage and strip"
-W=$WORK/wheel S=$WORK/stage/site F=$WORK/stage/fallback
-mkdir -p "$W/tl" "$W/z3" "$S/z3/lib" "$F"
+W=$WORK/wheel S=$WORK/stage/site L=$WORK/stage/lib F=$WORK/stage/fallback
+mkdir -p "$W/tl" "$W/z3" "$S" "$L" "$F"
 unzip -q "$TL_WHL" -d "$W/tl"
 unzip -q "$Z3_WHL" -d "$W/z3"
 cp -r "$W/tl/tilelang" "$W"/tl/tilelang-*.dist-info "$S/"
@@ -116,8 +122,8 @@ rm -rf "$S"/tilelang/3rdparty/composable_kernel "$S"/tilelang/3rdparty/tvm/src \
        "$S"/tilelang/3rdparty/cutlass/tools
 mkdir -p "$S"/tilelang/3rdparty/composable_kernel/include
 rm -f "$S"/tilelang-*.dist-info/RECORD
-cp "$W"/z3/z3/lib/libz3.so "$S/z3/lib/"
-strip --strip-unneeded "$S/z3/lib/libz3.so"
+cp "$W"/z3/z3/lib/libz3.so "$L/"
+strip --strip-unneeded "$L/libz3.so"
 for p in "${FALLBACK[@]}"; do
   n=${p%%==*}; v=${p##*==}
   unzip -q -o "$(whl "${n//-/_}" "$v")" -d "$F"
@@ -131,17 +137,17 @@ for f in "$S"/tilelang/lib/*.so; do
     case $n in
       libc.so.6|libm.so.6|libdl.so.2|libpthread.so.0|librt.so.1|ld-linux-x86-64.so.2|libstdc++.so.6|libgcc_s.so.1) ;;
       libtvm_ffi.so) ;;  # the kit's apache-tvm-ffi
-      libz3.so) [ -f "$S/z3/lib/libz3.so" ] || { echo "libz3.so missing" >&2; exit 1; } ;;
+      libz3.so) [ -f "$L/libz3.so" ] || { echo "libz3.so missing" >&2; exit 1; } ;;
       *) [ -f "$S/tilelang/lib/$n" ] || { echo "$(basename "$f") needs $n, not packed" >&2; exit 1; } ;;
     esac
   done
 done
 {
   echo "sglang-hisparse scripts/pack_dsv4.sh, cp${PYVER/./}, $(date -u +%FT%TZ)"
-  for w in "$TL_WHL" "$Z3_WHL"; do echo "site: $(basename "$w") (stripped, see the script)"; done
+  for w in "$TL_WHL" "$Z3_WHL"; do echo "site, lib: $(basename "$w") (stripped, see the script)"; done
   for p in "${FALLBACK[@]}"; do echo "fallback: $p"; done
 } > "$WORK/stage/MANIFEST"
-du -sh "$S" "$F" | sed 's/^/   staged: /'
+du -sh "$S" "$L" "$F" | sed 's/^/   staged: /'
 
 echo "== pack"
 mkdir -p "$(dirname "$OUT_TAR")"

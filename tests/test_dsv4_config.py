@@ -62,6 +62,32 @@ print("RESULT " + json.dumps(dict(
     assert (got["draft_arch"], got["draft_nextn"]) == ("DeepseekV4ForCausalLMNextN", 1)
 
 
+def test_the_routed_experts_fill_the_fused_gate_kernels_warps():
+    # DeepSeek-V4's router (scoring sqrtsoftplus) runs SGLang's JIT kernel
+    # jit_kernel/csrc/moe/moe_fused_gate.cuh. Below 512 rows it launches
+    # min(ceil(E / 32), 16) warps per token but instantiates its reduction
+    # for 8, 12 or 16 warps (the first that holds them), and warp 0 then
+    # reads every one of those warps' maxima: a warp that was not launched
+    # leaves its slot uninitialized. With the candidate's 8 experts (1 warp
+    # of 8) the tiny V4's first prefill on the H200 died there, "an illegal
+    # instruction was encountered" under CUDA_LAUNCH_BLOCKING
+    # (docs/gpu-runs/2026-12-04). DeepSeek-V4-Flash's 256 experts launch
+    # exactly 8 warps; so must the tiny model's count.
+    cfg = json.loads((TINY_DSV4 / "config.json").read_text())
+    experts = cfg["n_routed_experts"]
+    assert experts <= 512  # the kernel's kMaxExperts
+    assert min(-(-experts // 32), 16) in (8, 12, 16), experts
+    assert cfg["num_experts_per_tok"] + cfg["n_shared_experts"] <= 16  # the kernel's kMaxTopK
+    kernel = importlib.util.find_spec("sglang").submodule_search_locations[0] \
+        + "/jit_kernel/csrc/moe/moe_fused_gate.cuh"
+    src = open(kernel).read()
+    # The instantiations and the launch rule this test mirrors.
+    assert "moe_fused_gate_kernel_small_token<8, kScoringFunc>" in src
+    assert "moe_fused_gate_kernel_small_token<12, kScoringFunc>" in src
+    assert "warps_per_token = std::min(warps_per_token, 16u);" in src
+    assert "kMaxExperts = 512;" in src and "kMaxTopK = 16;" in src
+
+
 def _launch_argv(cmd: list[str]) -> list[str]:
     """The flags of an e2e_gpu server command (after ``-m sglang.launch_server``)."""
     return cmd[cmd.index("sglang.launch_server") + 1:]
@@ -173,5 +199,6 @@ print("BUILT", sum(p.numel() for p in model.parameters()), sum(p.numel() for p i
     built = [line for line in proc.stdout.splitlines() if line.startswith("BUILT ")]
     assert proc.returncode == 0 and built, proc.stderr[-4000:]
     target, draft = (int(x) for x in built[0].split()[1:])
-    # ~0.74 GB of bf16 weights for the target: small next to the H200.
-    assert 1e8 < target < 1e9 and 0 < draft < target
+    # ~3.9 GB of bf16 weights for the target, most of it the 256 experts:
+    # small next to the H200.
+    assert 1e8 < target < 3e9 and 0 < draft < target
