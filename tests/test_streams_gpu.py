@@ -42,3 +42,15 @@ def test_device_index_values_survive_the_staging_buffers_reuse():
     outs = [device_index(list(range(k, k + 64)), "cuda") for k in range(200)]
     torch.cuda.synchronize()
     assert all(o.tolist() == list(range(k, k + 64)) for k, o in enumerate(outs))
+
+
+def test_a_cpu_tensor_reaches_the_gpu_the_same_way(syncs_raise):
+    # The host pool hands its new pages' rows over as a CPU tensor (int64
+    # from the page ids, or any int dtype): staged through pinned memory too.
+    busy = torch.randn(4096, 4096, device="cuda")
+    for _ in range(8):
+        busy = busy @ busy / 64
+    rows = torch.arange(128, 192, dtype=torch.int32)
+    got = device_index(rows, "cuda")
+    torch.cuda.set_sync_debug_mode("default")
+    assert got.dtype == torch.int64 and got.tolist() == list(range(128, 192))

@@ -40,17 +40,24 @@ import torch
 
 
 def device_index(values, device) -> torch.Tensor:
-    """CPU ints as an int64 index tensor on ``device``, without a stream sync.
+    """CPU ints (a sequence or a CPU tensor) as an int64 index tensor on
+    ``device``, without a stream sync.
 
     ``torch.tensor(values, device="cuda")`` copies from pageable memory and
     then synchronizes the current stream: the CPU waits until the GPU has run
     everything queued, so a step prepared that way no longer overlaps the one
-    in flight (MTP on 2026-12-03: two such calls per verify step). From
-    pinned memory the copy is queued in stream order instead, and PyTorch's
-    pinned allocator keeps the staging memory until that copy has run."""
+    in flight (MTP on 2026-12-03: two such calls per verify step). A
+    non-blocking copy from pageable memory is no better: the driver may
+    synchronize with the stream to stage it. From pinned memory the copy is
+    queued in stream order instead, and PyTorch's pinned allocator keeps the
+    staging memory until that copy has run."""
     if torch.device(device).type != "cuda":
-        return torch.tensor(values, dtype=torch.int64, device=device)
-    return torch.tensor(values, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+        return torch.as_tensor(values, dtype=torch.int64).to(device)
+    if isinstance(values, torch.Tensor):
+        staged = values.to(torch.int64).pin_memory()
+    else:
+        staged = torch.tensor(values, dtype=torch.int64, pin_memory=True)
+    return staged.to(device, non_blocking=True)
 
 
 class CpuEvent:

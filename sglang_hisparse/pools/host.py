@@ -38,6 +38,7 @@ from typing import Callable, List, Optional
 import torch
 
 from sglang_hisparse.adapter.sglang_classes import HostKVCache, MLATokenToKVPoolHost
+from sglang_hisparse.engine.streams import device_index
 
 from sglang_hisparse.pools import host_memory
 
@@ -149,7 +150,9 @@ class PagedHostSlots:
             rows = self.alloc_page((want - have) // self.page_size)
             if rows is None:
                 return None
-            req_to_host_pool[req_pool_idx, have:want] = rows.to(dev, non_blocking=True)
+            # Every decode step that starts a host page passes here: no
+            # pageable copy, which can stall the step in flight.
+            req_to_host_pool[req_pool_idx, have:want] = device_index(rows, dev)
             req_to_host_pool_allocated_len[req_pool_idx] = want
         return req_to_host_pool[req_pool_idx, start_pos:end]
 
