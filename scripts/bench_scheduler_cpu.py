@@ -11,6 +11,15 @@ streamed request, more while prompts wait). Prints microseconds per step for
 hot-buffer requests (residency off) and resident ones:
 
     python scripts/bench_scheduler_cpu.py [--reqs 1,8,16] [--steps 300]
+
+``--verify N`` times a speculative verify step instead (N draft tokens, MTP
+on 0.5.13): what our seams add around the target's verify forward for
+hot-buffer requests, ``VerifyStep.map_slots`` (host rows up to the spec
+reserve, the verify slots' mapping) and ``VerifyStep.commit`` (write-through
+of the n positions, the slots unmapped); the spec reserve itself is
+SGLang's, and the swap-in kernel is not Python:
+
+    python scripts/bench_scheduler_cpu.py --verify 2 [--reqs 1,7]   (at most 8 requests)
 """
 
 from __future__ import annotations
@@ -68,11 +77,49 @@ def run(n_reqs: int, steps: int, residency: bool, prompt: int = 600) -> float:
     return statistics.median(times) * 1e6
 
 
+def run_verify(n_reqs: int, steps: int, draft_tokens: int, prompt: int = 600) -> float:
+    from dataplane_fixtures import kv_allocated_len, speculative_server_args, t64, verify_locs
+    from test_coordinator import Env
+    from test_verify_step import reserve
+
+    env = Env(phys=n_reqs * (prompt + steps * draft_tokens + 256) + 1024, draft_tokens=draft_tokens)
+    reqs = [env.staged(f"r{i}", prompt) for i in range(n_reqs)]
+    env.coord.collect_ready_reqs()  # hot buffers (prompt > B), residency off
+    rpi = [r.req_pool_idx for r in reqs]
+    committed = [prompt] * n_reqs
+    times = []
+    for _ in range(steps):
+        for r, c in zip(reqs, committed):  # SGLang's reserve: two steps of draft tokens ahead
+            reserve(env, r, c + 2 * draft_tokens)
+        locs = verify_locs(env.r2t, reqs, committed, draft_tokens)
+        allocated = [kv_allocated_len(r) for r in reqs]
+        seq = t64(*committed)
+        t0 = time.perf_counter()
+        env.coord.verify.map_slots(rpi, allocated, seq, locs)
+        env.coord.verify.commit()
+        times.append(time.perf_counter() - t0)
+        committed = [c + 1 for c in committed]  # random weights: nothing accepted
+        for r, c in zip(reqs, committed):
+            r.kv_committed_len = c
+    with speculative_server_args():
+        for r in reqs:
+            env.finish(r)
+    assert env.drained(), "the verify bench leaked rows"
+    return statistics.median(times) * 1e6
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reqs", default="1,8,16")
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--verify", type=int, default=0, metavar="N",
+                    help="time a verify step with N draft tokens instead (2..page size)")
     args = ap.parse_args(argv)
+    if args.verify:
+        print(f"{'requests':>8} {'verify map_slots + commit us/step':>34}")
+        for n in (int(x) for x in args.reqs.split(",")):
+            print(f"{n:>8} {run_verify(n, args.steps, args.verify):>34.0f}", flush=True)
+        return 0
     print(f"{'requests':>8} {'hot buffers us/step':>20} {'resident us/step':>17}")
     for n in (int(x) for x in args.reqs.split(",")):
         hb = run(n, args.steps, residency=False)
