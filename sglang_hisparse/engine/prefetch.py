@@ -70,9 +70,11 @@ class ReplayGrid:
     FSSSFSSS, calibrated top-k) 8 x 512 was still slower than synchronous
     swap-ins (step 3.78 vs 3.26 ms), so the default stays one 512-thread
     block per SM, which served level with them (2026-12-02, random weights). 32-thread
-    blocks (one warp, 1,024 registers) should fit beside those kernels'
-    blocks instead of displacing them; not yet measured on a GPU
-    (docs/gpu-runs/2026-12-03-s5/)."""
+    blocks (one warp, 1,024 registers) were meant to fit beside those
+    kernels' blocks instead of displacing them; measured, they hide less
+    than 8 blocks of 512: one per SM 23% (13% misses) and 21% (50%), two per
+    SM 18% and 0%, against 37% and 60% for 8 x 512 in the same run
+    (docs/gpu-runs/2026-12-03-s5/, 2026-12-04/)."""
 
     blocks: Optional[int] = None
     threads: int = 512

@@ -15,8 +15,10 @@
 //   (e.g. 384 threads x 168 registers = 64,512 of 65,536). A replay block
 //   holds its SM until every miss has moved, so a 512-thread block shuts
 //   those kernels out of its SM for the whole replay, while a 1,024-register
-//   warp fits in what they leave. Each warp walks the per-request counts
-//   itself (a prefetch batch is at most a few hundred requests).
+//   warp was meant to fit in what they leave. Each warp walks the per-request
+//   counts itself (a prefetch batch is at most a few hundred requests).
+//   Measured beside a compute stand-in on the H200 (2026-12-04), one warp
+//   per SM hid 21-23% of the shorter side, 8 blocks of 512 threads 37-60%.
 #pragma once
 
 #include <sgl_kernel/tensor.h>
