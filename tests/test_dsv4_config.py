@@ -10,6 +10,7 @@ DeepSeek-V4 with the values V4's kernels assert on, and every server command
 import importlib.util
 import json
 import shlex
+from pathlib import Path
 
 import pytest
 
@@ -62,30 +63,37 @@ print("RESULT " + json.dumps(dict(
     assert (got["draft_arch"], got["draft_nextn"]) == ("DeepseekV4ForCausalLMNextN", 1)
 
 
+# SGLang's fused MoE gate kernel (DeepSeek-V4's sqrtsoftplus router), where
+# the installed release keeps it.
+FUSED_GATE_SOURCES = ("jit_kernel/csrc/moe/moe_fused_gate.cuh",  # 0.5.13 - 0.5.15.post1
+                      "kernels/jit/csrc/moe/moe_fused_gate.cuh")  # 0.5.17
+
+
 def test_the_routed_experts_fill_the_fused_gate_kernels_warps():
-    # DeepSeek-V4's router (scoring sqrtsoftplus) runs SGLang's JIT kernel
-    # jit_kernel/csrc/moe/moe_fused_gate.cuh. Below 512 rows it launches
-    # min(ceil(E / 32), 16) warps per token but instantiates its reduction
-    # for 8, 12 or 16 warps (the first that holds them), and warp 0 then
-    # reads every one of those warps' maxima: a warp that was not launched
-    # leaves its slot uninitialized. With the candidate's 8 experts (1 warp
-    # of 8) the tiny V4's first prefill on the H200 died there, "an illegal
-    # instruction was encountered" under CUDA_LAUNCH_BLOCKING
-    # (docs/gpu-runs/2026-12-04). DeepSeek-V4-Flash's 256 experts launch
-    # exactly 8 warps; so must the tiny model's count.
+    # Below 512 rows the kernel launches min(ceil(E / 32), 16) warps per
+    # token but instantiates its reduction for 8, 12 or 16 warps (the first
+    # that holds them). In 0.5.13 warp 0 then reads every one of those warps'
+    # maxima, and a warp that was not launched leaves its slot uninitialized:
+    # with the kit candidate's 8 experts (1 warp of 8) the tiny V4's first
+    # prefill on the H200 died there, "an illegal instruction was
+    # encountered" under CUDA_LAUNCH_BLOCKING (docs/gpu-runs/2026-12-04).
+    # 0.5.15.post1 reads only the launched warps. DeepSeek-V4-Flash's 256
+    # experts (and V4-Pro's 384) fill their warps exactly; so must the tiny
+    # model's count wherever the kernel reads the others.
+    root = Path(importlib.util.find_spec("sglang").submodule_search_locations[0])
+    found = [root / rel for rel in FUSED_GATE_SOURCES if (root / rel).exists()]
+    assert found, f"no moe_fused_gate.cuh under {root} ({FUSED_GATE_SOURCES})"
+    src = found[0].read_text()
     cfg = json.loads((TINY_DSV4 / "config.json").read_text())
     experts = cfg["n_routed_experts"]
-    assert experts <= 512  # the kernel's kMaxExperts
-    assert min(-(-experts // 32), 16) in (8, 12, 16), experts
-    assert cfg["num_experts_per_tok"] + cfg["n_shared_experts"] <= 16  # the kernel's kMaxTopK
-    kernel = importlib.util.find_spec("sglang").submodule_search_locations[0] \
-        + "/jit_kernel/csrc/moe/moe_fused_gate.cuh"
-    src = open(kernel).read()
-    # The instantiations and the launch rule this test mirrors.
+    assert "kMaxExperts = 512;" in src and "kMaxTopK = 16;" in src
+    assert experts <= 512 and cfg["num_experts_per_tok"] + cfg["n_shared_experts"] <= 16
+    # The instantiations and the launch rule the check below mirrors.
     assert "moe_fused_gate_kernel_small_token<8, kScoringFunc>" in src
     assert "moe_fused_gate_kernel_small_token<12, kScoringFunc>" in src
     assert "warps_per_token = std::min(warps_per_token, 16u);" in src
-    assert "kMaxExperts = 512;" in src and "kMaxTopK = 16;" in src
+    if "(lane_id < kWarpsPerToken) ? warp_maxs[lane_id]" in src:  # 0.5.13's read
+        assert min(-(-experts // 32), 16) in (8, 12, 16), experts
 
 
 def _launch_argv(cmd: list[str]) -> list[str]:
