@@ -16,7 +16,12 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture
 def syncs_raise():
+    """A synchronizing call raises, and the stream is kept busy, so that a
+    blocking copy would have to wait."""
     torch.cuda.init()
+    busy = torch.randn(4096, 4096, device="cuda")
+    for _ in range(8):
+        busy = busy @ busy / 64
     torch.cuda.set_sync_debug_mode("error")
     try:
         yield
@@ -25,10 +30,6 @@ def syncs_raise():
 
 
 def test_device_index_does_not_sync_where_a_plain_copy_does(syncs_raise):
-    # Keep the stream busy so that a blocking copy would have to wait.
-    busy = torch.randn(4096, 4096, device="cuda")
-    for _ in range(8):
-        busy = busy @ busy / 64
     got = device_index([3, 1, 2], "cuda")
     with pytest.raises(RuntimeError, match="synchroniz"):
         torch.tensor([3, 1, 2], dtype=torch.int64, device="cuda")  # the control
@@ -47,9 +48,6 @@ def test_device_index_values_survive_the_staging_buffers_reuse():
 def test_a_cpu_tensor_reaches_the_gpu_the_same_way(syncs_raise):
     # The host pool hands its new pages' rows over as a CPU tensor (int64
     # from the page ids, or any int dtype): staged through pinned memory too.
-    busy = torch.randn(4096, 4096, device="cuda")
-    for _ in range(8):
-        busy = busy @ busy / 64
     rows = torch.arange(128, 192, dtype=torch.int32)
     got = device_index(rows, "cuda")
     torch.cuda.set_sync_debug_mode("default")
