@@ -164,7 +164,7 @@
 #             WORKLOAD/warp row); SGLANG_HISPARSE_PREFETCH_GRID set on the
 #             command reaches every config. Pin the cores
 #             (GF_CPUS=fastest:4), or the cores' spread (2x) decides.
-#   dsv4      DeepSeek-V4 (issue #19; launched 2026-12-04, not yet served): the tiny
+#   dsv4      DeepSeek-V4 (issue #19; smoke, concurrent served 2026-12-04-s2): the tiny
 #             random-weight model tests/data/tiny-dsv4 (4 layers, compress
 #             ratios 0/4/128/4, index_topk 512, one NextN layer) served by
 #             e2e_gpu.py, which gives a V4 model its own flags (SGLang forces
@@ -485,7 +485,8 @@ test_files() {
   # GF_TESTS: these test ids instead (e.g. a rerun of the failures).
   [ -n "${GF_TESTS:-}" ] && { echo "$GF_TESTS"; return; }
   local f files=()
-  for f in tests/test_kernel_gpu.py tests/test_host_memory_gpu.py tests/test_exactness_kernel_gpu.py \
+  for f in tests/test_kernel_gpu.py tests/test_host_memory_gpu.py tests/test_host_pool_gpu.py \
+           tests/test_exactness_kernel_gpu.py \
            tests/test_streams_gpu.py; do
     [ -f "$f" ] && files+=("$f")
   done

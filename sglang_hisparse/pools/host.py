@@ -438,8 +438,9 @@ class HiSparseC4HostPool(PagedHostSlots, HostKVCache):
         0.5.13 calls it the same way from ``DeepSeekV4PagedHostPool``
         (``memory_pool_host.py:2054``), the host pool its HiCache hybrid
         assembler builds too, for copies that are not whole pages. Our own
-        copy of it would add nothing. The CPU path (``_copy_tokens``) is what
-        the tests check; this GPU path has not been verified on a GPU yet.
+        copy of it would add nothing. tests/test_host_pool_gpu.py holds this
+        path to the CPU path (``_copy_tokens``) byte for byte on the GPU
+        (passed on the H200, 2026-12-04-s2).
         """
         from sglang_hisparse.adapter import releases
 
