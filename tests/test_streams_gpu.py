@@ -9,7 +9,7 @@ so it tells a sync-free copy from a blocking one.
 import pytest
 import torch
 
-from sglang_hisparse.engine.streams import device_index
+from sglang_hisparse.engine.streams import device_index, fill_at
 
 pytestmark = pytest.mark.gpu
 
@@ -52,3 +52,20 @@ def test_a_cpu_tensor_reaches_the_gpu_the_same_way(syncs_raise):
     got = device_index(rows, "cuda")
     torch.cuda.set_sync_debug_mode("default")
     assert got.dtype == torch.int64 and got.tolist() == list(range(128, 192))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
+def test_fill_at_does_not_sync_where_an_index_assignment_does(syncs_raise, dtype):
+    # The verify commit unmaps its slots after every MTP step this way
+    # (2026-12-04: the index assignment was ours' one sync per step).
+    mapping = torch.arange(1, 1025, dtype=torch.int64, device="cuda")
+    where = device_index([3, 700, 1023], "cuda")  # made without a sync, as the step makes it
+    index = where.to(dtype) if dtype != torch.bool else torch.zeros(
+        1024, dtype=torch.bool, device="cuda").index_fill_(0, where, True)
+    fill_at(mapping, index, 0)
+    with pytest.raises(RuntimeError, match="synchroniz"):
+        mapping[where] = 0  # the control
+    torch.cuda.set_sync_debug_mode("default")
+    want = torch.arange(1, 1025)
+    want[[3, 700, 1023]] = 0
+    assert torch.equal(mapping.cpu(), want)

@@ -59,7 +59,7 @@ from sglang_hisparse.engine.policies.retain_on_retract import RetainOnRetract
 from sglang_hisparse.engine.policies import streaming as streaming_policy
 from sglang_hisparse.engine.state import ReqState, RequestTable
 from sglang_hisparse.engine.streams import (RealRequestCount, Streams, TrailingReader,
-                                            device_index)
+                                            device_index, fill_at)
 from sglang_hisparse.engine.tables import RequestTables
 from sglang_hisparse.engine.verify import VerifyStep
 from sglang_hisparse.kernels import synthetic_top_k
@@ -940,7 +940,7 @@ class Coordinator:
                 rows = self.req_to_device_buffer[idx, :cap]
                 self.token_to_kv_pool_allocator.free_hisparse_indices(torch.unique(rows[rows > 0]))
             # The hot buffer's rows are freed above; drop the mapping to them.
-            self._mapping()[self._logical_ids(idx, self.kv_allocated_len(req))] = 0
+            fill_at(self._mapping(), self._logical_ids(idx, self.kv_allocated_len(req)), 0)
         self.requests.release(req)
         self._reset_slot(idx)
 

@@ -64,7 +64,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from sglang_hisparse.engine.state import ReqState
-from sglang_hisparse.engine.streams import device_index
+from sglang_hisparse.engine.streams import device_index, fill_at
 
 _HOT = ReqState.HOT
 
@@ -167,7 +167,7 @@ class VerifyStep:
                 c.mem_pool_device, host_rows, dev_rows, io_backend="kernel")
             c.streams.end_write_through(host_rows, dev_rows)
         c.host_bytes_written += len(step.req_slots) * n * c.item_size_bytes * c.layer_num
-        c._mapping()[step.locs.reshape(-1)] = 0
+        fill_at(c._mapping(), step.locs, 0)  # a plain index assignment would sync
 
 
 @dataclass(frozen=True)

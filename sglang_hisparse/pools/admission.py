@@ -43,6 +43,7 @@ from sglang_hisparse.adapter.sglang_classes import (
     PagedTokenToKVPoolAllocator,
 )
 from sglang_hisparse.engine.budget import admission_budgets
+from sglang_hisparse.engine.streams import fill_at
 
 
 def _pages_to_tokens(num_tokens: int, page_size: int) -> int:
@@ -291,7 +292,7 @@ class HostBackedAdmission(BaseTokenToKVPoolAllocator):
         DSA, compressed for DeepSeek-V4) and unmap them."""
         mapping = self.full_to_hisparse_device_index_mapping
         self.free_hisparse_indices(mapping[compressed])
-        mapping[compressed] = 0
+        fill_at(mapping, compressed, 0)
 
     def free(self, free_index: torch.Tensor):
         """Logical slots, then the rows still mapped from them. A staged

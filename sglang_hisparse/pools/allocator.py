@@ -63,6 +63,7 @@ import weakref
 
 import torch
 
+from sglang_hisparse.engine.streams import fill_at
 from sglang_hisparse.pools.admission import (
     HostBackedAdmission,
     _ReservingPagedAllocator,
@@ -242,12 +243,12 @@ class HiSparseDualAllocator(HostBackedAdmission):
         if owned.numel() >= need_size:
             keep = owned[:need_size]
             self.free_hisparse_indices(owned[need_size:])
-            mapping[allocated_indices] = 0
+            fill_at(mapping, allocated_indices, 0)
             return keep
         buffer = self._grow_rows_to(owned, need_size, self.page_size)
         if buffer is None:
             return None
-        mapping[allocated_indices] = 0
+        fill_at(mapping, allocated_indices, 0)
         return buffer
 
     # ------------------------------------------------------------------ free

@@ -46,6 +46,7 @@ import weakref
 import torch
 
 from sglang_hisparse.adapter.sglang_classes import BaseTokenToKVPoolAllocator
+from sglang_hisparse.engine.streams import fill_at
 from sglang_hisparse.pools.admission import HostBackedAdmission, _ReservingPagedAllocator
 from sglang_hisparse.pools.device_c4 import C4_RATIO
 
@@ -257,7 +258,7 @@ class DSV4HiSparseAllocator(HostBackedAdmission):
             buffer = self._grow_rows_to(owned, need_size, cps)
             if buffer is None:
                 return None
-        mapping[compressed] = 0
+        fill_at(mapping, compressed, 0)
         return buffer
 
     # ------------------------------------------------------------------- free
