@@ -177,11 +177,15 @@ HS_CONFIG = {"top_k": 2048, "device_buffer_size": 4096, "host_to_device_ratio": 
 # buffer counts C4 rows too: 1024 rows hold 4096 tokens, so longer prompts
 # read from host. SGLANG_OPT_FP8_WO_A_GEMM=0: with bf16 dummy weights
 # srt/models/deepseek_v4.py asserts when the FP8 W_o GEMM is on (a value
-# already in the environment wins).
+# already in the environment wins). --chunked-prefill-size 2048: SGLang sizes
+# V4's SWA pool at 0.1 x the full pool, and a prefill chunk takes SWA slots
+# for all its tokens, so under --max-total-tokens 40000 (SWA 3840) the
+# default chunk (8192 tokens on the H200) can never be scheduled: base V4 queued the
+# capacity workload's 16 prompts and prefilled none for 6 min (2026-12-04-s2).
 ARCH_FLAGS = {
     "dsa": ["--kv-cache-dtype", "bfloat16", "--dsa-prefill-backend", "flashmla_sparse",
             "--dsa-decode-backend", "flashmla_sparse"],
-    "dsv4": ["--kv-cache-dtype", "fp8_e4m3"],
+    "dsv4": ["--kv-cache-dtype", "fp8_e4m3", "--chunked-prefill-size", "2048"],
 }
 ARCH_ENV = {"dsa": {}, "dsv4": {"SGLANG_OPT_FP8_WO_A_GEMM": "0"}}
 ARCH_HS_CONFIG = {"dsa": HS_CONFIG,

@@ -35,6 +35,9 @@ REPORTED_FIELDS = (
     "kv_cache_dtype",
     "dsa_prefill_backend",
     "dsa_decode_backend",
+    "chunked_prefill_size",
+    "max_total_tokens",
+    "swa_full_tokens_ratio",
 )
 
 _RESULT_MARK = "SERVER_ARGS_RESULTS "

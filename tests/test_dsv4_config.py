@@ -132,6 +132,13 @@ def test_e2e_commands_for_the_tiny_dsv4_pass_the_argument_check(stage_cases, che
         # What deepseek_v4_hook.py forces, whatever the command says.
         assert (result["fields"]["attention_backend"], result["fields"]["page_size"],
                 result["fields"]["kv_cache_dtype"]) == ("dsv4", 256, "fp8_e4m3"), name
+        # A prefill chunk takes SWA slots for all its tokens: one larger than
+        # V4's SWA pool (the ratio SGLang sets x the pool) is never scheduled
+        # (2026-12-04-s2: base V4 at --max-total-tokens 40000 hung).
+        f = result["fields"]
+        if f["max_total_tokens"]:
+            assert f["chunked_prefill_size"] <= f["swa_full_tokens_ratio"] * f["max_total_tokens"], \
+                (name, f)
     for w in STAGE_WORKLOADS:
         sparse = checked["results"][f"ours_{w}"]["sparse_config"]
         assert (sparse["top_k"], sparse["device_buffer_size"], sparse["host_to_device_ratio"]) \
