@@ -57,7 +57,7 @@ def test_a_cpu_tensor_reaches_the_gpu_the_same_way(syncs_raise):
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
 def test_fill_at_does_not_sync_where_an_index_assignment_does(syncs_raise, dtype):
     # The verify commit unmaps its slots after every MTP step this way
-    # (2026-12-04: the index assignment was ours' one sync per step).
+    # (2026-12-04-s2: the index assignment was ours' one sync per step).
     mapping = torch.arange(1, 1025, dtype=torch.int64, device="cuda")
     where = device_index([3, 700, 1023], "cuda")  # made without a sync, as the step makes it
     index = where.to(dtype) if dtype != torch.bool else torch.zeros(
@@ -69,3 +69,14 @@ def test_fill_at_does_not_sync_where_an_index_assignment_does(syncs_raise, dtype
     want = torch.arange(1, 1025)
     want[[3, 700, 1023]] = 0
     assert torch.equal(mapping.cpu(), want)
+
+
+def test_fill_at_one_position_does_not_sync_where_an_int_assignment_does(syncs_raise):
+    # Residency sets and clears a request's kernel flag this way: t[i] = 1
+    # copies a 0-d CPU tensor onto a 0-d slot (a sync; seen 2026-12-04-s2).
+    resident = torch.zeros(8, dtype=torch.int32, device="cuda")
+    fill_at(resident, 5, 1)
+    with pytest.raises(RuntimeError, match="synchroniz"):
+        resident[2] = 1  # the control
+    torch.cuda.set_sync_debug_mode("default")
+    assert resident.tolist() == [0, 0, 1, 0, 0, 1, 0, 0]

@@ -60,15 +60,22 @@ def device_index(values, device) -> torch.Tensor:
     return staged.to(device, non_blocking=True)
 
 
-def fill_at(tensor: torch.Tensor, index: torch.Tensor, value: int) -> None:
-    """``tensor[index] = value`` for a 1-D ``tensor``, without a stream sync.
+def fill_at(tensor: torch.Tensor, index, value: int) -> None:
+    """``tensor[index] = value`` for a 1-D ``tensor`` and an index tensor
+    (positions or a mask) or an int, without a stream sync.
 
     For a CUDA tensor, ``t[idx] = 0`` wraps the 0 in a CPU tensor and copies
     it to the device from pageable memory, which synchronizes the stream
-    (measured 2026-12-04: the verify commit's unmapping was the one sync per
-    MTP step that base's step does not make). ``index_fill_`` and
-    ``masked_fill_`` take the value as a kernel argument instead."""
-    index = index.reshape(-1)
+    (measured 2026-12-04-s2: the verify commit's unmapping was the one sync
+    per MTP step that base's step does not make; ``t[i] = 0`` for an int
+    synced too, as a 0-d copy). ``index_fill_``, ``masked_fill_`` and a
+    slice's ``fill_`` take the value as a kernel argument instead."""
+    if not isinstance(index, torch.Tensor):  # one position (an int, numpy's too)
+        i = int(index)
+        tensor[i:i + 1].fill_(value)
+        return
+    # (An index on another device moves, as the assignment would move it.)
+    index = index.reshape(-1).to(tensor.device)
     if index.dtype == torch.bool:
         tensor.masked_fill_(index, value)
     else:

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from sglang_hisparse.engine.streams import fill_at
+
 
 class RequestTables:
     def __init__(self, *, max_reqs: int, max_host_ctx: int, layers: int, top_k: int,
@@ -81,7 +83,7 @@ class RequestTables:
 
     def reset(self, idx: int) -> None:
         """A free slot (host rows are released by the host pool first)."""
-        self.resident[idx] = 0
+        fill_at(self.resident, idx, 0)  # an int index assignment would sync
         self.slot_tokens[:, idx, :] = -1
         self.slot_locs[:, idx, :] = -1
         self.req_to_device_buffer[idx, :] = 0

@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 
 from sglang_hisparse.engine.state import ReqState
-from sglang_hisparse.engine.streams import device_index
+from sglang_hisparse.engine.streams import device_index, fill_at
 
 S = ReqState
 _RESIDENT, _RESIDENT_JOINING = S.RESIDENT, S.RESIDENT_JOINING  # locals for per-step reads
@@ -95,7 +95,7 @@ class Residency:
         idx = req.req_pool_idx
         rec = coord.requests.admit(req, S.RESIDENT_JOINING)
         rec.resident_rows = coord._page_up(coord.prefill_len(req))
-        coord.tables.resident[idx] = 1
+        fill_at(coord.tables.resident, idx, 1)
         self._map_page_tail(idx, coord.prefill_len(req))
         return True
 
@@ -264,7 +264,7 @@ class Residency:
         coord.mem_pool_host.backup_from_device_all_layer(
             coord.mem_pool_device, host, physical, io_backend="kernel")
         coord.host_bytes_written += n * coord.item_size_bytes * coord.layer_num
-        coord.tables.resident[idx] = 0
+        fill_at(coord.tables.resident, idx, 0)
         joining = rec.state is S.RESIDENT_JOINING
         if not coord.alloc_device_buffer(req):
             # Cannot happen (the buffer is taken from the resident's own rows).
