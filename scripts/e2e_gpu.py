@@ -669,8 +669,12 @@ def abort_after(url: str, ids: list[int], max_new: int, tokens: int, rid: str) -
             "finish_reason": reason}
 
 
+# The pools a decode log line reports: DSA ours "#gpu token" / "#cpu token",
+# DSA base "#token", DeepSeek-V4 "#full token" and "#swa token" (both
+# configs; ours adds the DSA pair for its C4 rows).
+DRAIN_POOL_FIELDS = ("#gpu token", "#cpu token", "#token", "#full token", "#swa token")
 _FIELD = {key: re.compile(rf"{re.escape(key)}: (\d+)") for key in
-          ("#gpu token", "#cpu token", "#token", "#running-req", "#hisparse drift")}
+          (*DRAIN_POOL_FIELDS, "#running-req", "#hisparse drift")}
 
 
 def decode_line_max(text: str, key: str) -> Optional[int]:
@@ -719,7 +723,7 @@ def run_drain(url: str, log_path: Path, max_new: Optional[int] = None) -> dict:
     during, after = text[start:mark], text[mark:]
     retracts = (re.findall(r"Retract requests\. #retracted_reqs: (\d+)", during)
                 + re.findall(r"Testing retraction\. #retracted_reqs: (\d+)", during))
-    pools = {key: decode_line_max(after, key) for key in ("#gpu token", "#cpu token", "#token")}
+    pools = {key: decode_line_max(after, key) for key in DRAIN_POOL_FIELDS}
     held = [v for v in pools.values() if v is not None]
     drift = decode_line_max(text[start:], "#hisparse drift")
     verdict = {

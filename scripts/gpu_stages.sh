@@ -174,8 +174,10 @@
 #             scripts/dsv4_env.sh (unpacked once into /tmp/dsv4). Configs
 #             GF_DSV4_CONFIGS (base,ours: ours = our HiSparse C4 pools with
 #             --check), workloads GF_DSV4_WORKLOADS (smoke; also concurrent:
-#             16 x 9000, and capacity: 16 x 16000 x 128 out at
-#             --max-total-tokens 40000, each in a command of its own),
+#             16 x 9000, capacity: 16 x 16000 x 128 out at
+#             --max-total-tokens 40000, and drain: aborts and forced
+#             retraction, then a probe whose decode lines must show the
+#             pools back, each in a command of its own),
 #             --hisparse-config GF_DSV4_HS ({"top_k": 512,
 #             "device_buffer_size": 1024, "host_to_device_ratio": 2}: top-k and
 #             hot buffer in C4 rows, 4 tokens each, so 1024 rows hold 4096

@@ -22,7 +22,7 @@ SCRIPTS = REPO / "scripts"
 # The stage's --hisparse-config (gpu_stages.sh GF_DSV4_HS; e2e_gpu.py's
 # default for DeepSeek-V4): top-k and hot buffer in C4 rows (4 tokens each).
 STAGE_HS = {"top_k": 512, "device_buffer_size": 1024, "host_to_device_ratio": 2}
-STAGE_WORKLOADS = ("smoke", "concurrent", "capacity")
+STAGE_WORKLOADS = ("smoke", "concurrent", "capacity", "drain")
 
 
 def _e2e():

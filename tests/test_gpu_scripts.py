@@ -735,11 +735,23 @@ def test_mtp_model_and_flags_shared_by_e2e_and_the_profiler(tmp_path):
         prof.main(["--mtp", "x", "--model", str(kit), "--out", str(tmp_path)])
 
 
+# The probe's decode line: DSA ours, and DeepSeek-V4 base (its pools are
+# "#full token" and "#swa token"; a leaked request's full KV or SWA window
+# stays in them).
+DRAIN_PROBE_LINES = {
+    "dsa": "Decode batch, #running-req: 1, #gpu token: {held}, #cpu token: 640\n",
+    "dsv4": "Decode batch, #running-req: 1, #full token: 768, full token usage: 0.02, "
+            "#swa token: {held}, swa token usage: 0.20, cuda graph: True\n",
+}
+
+
+@pytest.mark.parametrize("arch", sorted(DRAIN_PROBE_LINES))
 @pytest.mark.parametrize("probe_gpu,ok", [(640, True), (4800, False)])
-def test_drain_reads_the_pools_from_the_probes_decode_lines(tmp_path, probe_gpu, ok, capsys):
+def test_drain_reads_the_pools_from_the_probes_decode_lines(tmp_path, probe_gpu, ok, arch, capsys):
     """The drain workload against a stand-in /generate that writes the log
     lines a server would: retractions while the drain runs, then the probe's
-    decode lines (the pools with the probe alone, or with a leaked hot buffer)."""
+    decode lines (the pools with the probe alone, or with a leaked hot buffer
+    or SWA window)."""
     from test_pd_gpu_script import Endpoint, sse
 
     e2e = _load("e2e_gpu", SCRIPTS / "e2e_gpu.py")
@@ -754,7 +766,7 @@ def test_drain_reads_the_pools_from_the_probes_decode_lines(tmp_path, probe_gpu,
         n = body["sampling_params"]["max_new_tokens"]
         probe = len(body["input_ids"]) == e2e.PROBE_LEN
         with log.open("a") as f:
-            f.write(f"Decode batch, #running-req: 1, #gpu token: {probe_gpu}, #cpu token: 640\n"
+            f.write(DRAIN_PROBE_LINES[arch].format(held=probe_gpu)
                     if probe else "KV cache pool is full. Testing retraction. #retracted_reqs: 1\n")
         for k in range(1, n + 1):
             stop = body.get("rid") in aborted
@@ -775,7 +787,8 @@ def test_drain_reads_the_pools_from_the_probes_decode_lines(tmp_path, probe_gpu,
     assert v["completed"] == v["expected"] == 4 and v["probe_ok"]
     assert v["aborted"] == e2e.DRAIN_ABORTS and aborted == {f"drain-abort-{k}" for k in range(4)}
     assert all(x["finish_reason"] == {"type": "abort"} for x in v["aborts"])
-    assert v["retraction_events"] == 8 and v["probe_pools"]["#gpu token"] == probe_gpu
+    held = "#gpu token" if arch == "dsa" else "#swa token"
+    assert v["retraction_events"] == 8 and v["probe_pools"][held] == probe_gpu
     assert v["pools_back"] is ok and v["ok"] is ok
     assert [q["spec_verify_ct"] for q in res["requests"]] == [6] * 4
     e2e.summarize_drain({"ours": {"drain": [res]}}, ["ours"])
