@@ -163,7 +163,7 @@ import threading
 import time
 import urllib.request
 from typing import Optional
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 HS_CONFIG = {"top_k": 2048, "device_buffer_size": 4096, "host_to_device_ratio": 8}
@@ -600,8 +600,47 @@ def add_rates(res: dict, t0: float) -> dict:
     return res
 
 
+# A server that writes nothing to its log for this long while requests are
+# outstanding has stalled: 2026-12-04-s2's base V4 queued 16 prompts it could
+# never prefill and the stage waited out its whole limit (462 s). Generous,
+# since a cold first request can compile kernels for minutes (SGLang logs
+# each prefill batch, and a decode line every 40 steps).
+STALL_S = 240.0
+
+
+class ServerStalled(RuntimeError):
+    pass
+
+
+def _results_or_stall(futs, log_path: Optional[Path], stall_s: float, res: dict) -> None:
+    """Collect the futures' results into ``res``; raise ServerStalled when
+    ``log_path`` stops growing for ``stall_s`` with some still pending."""
+    pending = set(futs)
+    size, since = (log_path.stat().st_size if log_path else 0), time.time()
+    while pending:
+        done, pending = wait(pending, timeout=5.0)
+        for f in done:
+            try:
+                res["requests"].append(f.result())
+            except Exception as exc:
+                res["errors"].append(repr(exc))
+        if log_path is None or not pending:
+            continue
+        now = log_path.stat().st_size
+        if now != size:
+            size, since = now, time.time()
+        elif time.time() - since > stall_s:
+            raise ServerStalled(f"no server log line for {stall_s:.0f} s with {len(pending)} "
+                                f"of {len(futs)} requests outstanding ({log_path.name})")
+
+
 def run_workload(url: str, name: str, seed0: int = 0, max_requests: Optional[int] = None,
-                 max_new: Optional[int] = None) -> dict:
+                 max_new: Optional[int] = None, log_path: Optional[Path] = None,
+                 stall_s: float = STALL_S) -> dict:
+    """A workload's groups, one after the other, each group's requests at
+    once. With ``log_path`` (the server's log) a stalled server raises
+    ServerStalled instead of holding the command until its requests time
+    out; the caller stops the server, which ends the requests."""
     groups, default_new, _ = WORKLOADS[name]
     max_new = max_new or default_new
     if max_requests:
@@ -610,13 +649,13 @@ def run_workload(url: str, name: str, seed0: int = 0, max_requests: Optional[int
     t0 = time.time()
     for gi, lens in enumerate(groups):
         ids = [make_ids(n, seed0 + 1000 * gi + k) for k, n in enumerate(lens)]
-        with ThreadPoolExecutor(len(ids)) as ex:
+        ex = ThreadPoolExecutor(len(ids))
+        try:
             futs = [ex.submit(stream_generate, url, x, max_new) for x in ids]
-            for f in futs:
-                try:
-                    res["requests"].append(f.result())
-                except Exception as exc:
-                    res["errors"].append(repr(exc))
+            _results_or_stall(futs, log_path, stall_s, res)
+        finally:
+            # Not waiting: after a stall the requests end when the server does.
+            ex.shutdown(wait=False)
     return add_rates(res, t0)
 
 
@@ -1144,7 +1183,7 @@ def main() -> int:
                         # The first batch after launch pays one-time costs (JIT
                         # builds, allocator growth): run each workload once unrecorded.
                         run_workload(srv.url, w, seed0=7919, max_requests=args.requests,
-                                     max_new=args.max_new)
+                                     max_new=args.max_new, log_path=log)
                     if args.step_profile and timer_out is not None:
                         # The profile restarts at the first batch after this.
                         (timer_out / "profile_reset").touch()
@@ -1154,7 +1193,7 @@ def main() -> int:
                         before = step_timer_snapshot(timer_out)
                         r = (run_drain(srv.url, log, max_new=args.max_new) if w == "drain"
                              else run_workload(srv.url, w, max_requests=args.requests,
-                                               max_new=args.max_new))
+                                               max_new=args.max_new, log_path=log))
                         r.update(log_stats(log, mark))
                         if timer_out:
                             time.sleep(0.6)

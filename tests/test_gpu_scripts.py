@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -889,3 +890,47 @@ def test_indexshare_waits_for_the_time_its_launches_need():
     assert need(GF_INDEXSHARE_LAYERS="8", GF_INDEXSHARE_CONFIGS="ours,sync,noio") == 330
     assert need(GF_INDEXSHARE_LAYERS="8", GF_INDEXSHARE_CONFIGS="ours,warp,sync,noio",
                 GF_INDEXSHARE_REPEATS="2") == 30 + 100 * 8
+
+
+def test_a_server_whose_log_stops_is_reported_stalled_not_waited_for(tmp_path):
+    """run_workload against a stand-in /generate: one that holds its request
+    (a prompt the scheduler never prefills) while the log stands still is
+    reported within seconds; one that answers slowly while its log grows
+    (a server at work) is waited for."""
+    from test_pd_gpu_script import Endpoint, sse
+
+    e2e = _load("e2e_gpu", SCRIPTS / "e2e_gpu.py")
+    log = tmp_path / "server.log"
+    log.write_text("launch\n")
+    release = threading.Event()
+
+    def held(body):
+        release.wait(60)
+        yield "data: [DONE]"
+
+    ep = Endpoint(held)
+    t0 = time.time()
+    try:
+        with pytest.raises(e2e.ServerStalled, match="1 of 1 requests outstanding"):
+            e2e.run_workload(ep.url, "concurrent", max_requests=1, max_new=4, log_path=log,
+                             stall_s=1.0)
+        assert time.time() - t0 < 20
+    finally:
+        release.set()
+        ep.close()
+
+    def slow(body):  # 6.4 s, past the watchdog's first look at 5 s
+        for k in range(1, 5):
+            time.sleep(1.6)
+            with log.open("a") as f:
+                f.write("Decode batch, #running-req: 1\n")
+            yield sse({"output_ids": list(range(k)), "meta_info": {}})
+        yield "data: [DONE]"
+
+    ep = Endpoint(slow)
+    try:
+        res = e2e.run_workload(ep.url, "concurrent", max_requests=1, max_new=4, log_path=log,
+                               stall_s=2.0)
+    finally:
+        ep.close()
+    assert not res["errors"] and len(res["requests"]) == 1
