@@ -110,6 +110,10 @@ function's wall time per scheduled batch, one column per configuration. It
 adds about 0.3 ms of Python per step: compare its columns with each other,
 and take TPOT from runs without it.
 
+Stalls: a workload whose server writes no log line for STALL_S (240 s)
+while requests are outstanding fails that launch with ServerStalled and
+stops the server, instead of waiting out the requests' 600 s timeouts.
+
 Noise: the step time of these tiny-model servers is the scheduler's Python,
 so it follows the speed of the core the scheduler lands on. On the lent H200
 VM one core ran the same loop up to 1.9x slower than another, and a launch
