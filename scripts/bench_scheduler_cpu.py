@@ -20,6 +20,10 @@ of the n positions, the slots unmapped); the spec reserve itself is
 SGLang's, and the swap-in kernel is not Python:
 
     python scripts/bench_scheduler_cpu.py --verify 2 [--reqs 1,7]   (at most 8 requests)
+
+``--after K`` also times them after K other requests have been staged,
+verified and finished, in groups of at most 7: whether our seams cost a
+lone request more once the capacity workload has run through the pools.
 """
 
 from __future__ import annotations
@@ -77,16 +81,13 @@ def run(n_reqs: int, steps: int, residency: bool, prompt: int = 600) -> float:
     return statistics.median(times) * 1e6
 
 
-def run_verify(n_reqs: int, steps: int, draft_tokens: int, prompt: int = 600) -> float:
-    from dataplane_fixtures import kv_allocated_len, speculative_server_args, t64, verify_locs
-    from test_coordinator import Env
+def _verify_steps(env, reqs, committed, steps: int, draft_tokens: int) -> list:
+    """``steps`` verify steps of ``reqs`` (nothing accepted, as with random
+    weights); the seconds each step's seams took. ``committed`` moves on."""
+    from dataplane_fixtures import kv_allocated_len, t64, verify_locs
     from test_verify_step import reserve
 
-    env = Env(phys=n_reqs * (prompt + steps * draft_tokens + 256) + 1024, draft_tokens=draft_tokens)
-    reqs = [env.staged(f"r{i}", prompt) for i in range(n_reqs)]
-    env.coord.collect_ready_reqs()  # hot buffers (prompt > B), residency off
     rpi = [r.req_pool_idx for r in reqs]
-    committed = [prompt] * n_reqs
     times = []
     for _ in range(steps):
         for r, c in zip(reqs, committed):  # SGLang's reserve: two steps of draft tokens ahead
@@ -98,9 +99,41 @@ def run_verify(n_reqs: int, steps: int, draft_tokens: int, prompt: int = 600) ->
         env.coord.verify.map_slots(rpi, allocated, seq, locs)
         env.coord.verify.commit()
         times.append(time.perf_counter() - t0)
-        committed = [c + 1 for c in committed]  # random weights: nothing accepted
+        committed[:] = [c + 1 for c in committed]
         for r, c in zip(reqs, committed):
             r.kv_committed_len = c
+    return times
+
+
+# The requests --after stages at once (the test Env has 8 request slots).
+_AT_ONCE = 7
+
+
+def run_verify(n_reqs: int, steps: int, draft_tokens: int, prompt: int = 600,
+               after: int = 0, after_steps: int = 32) -> float:
+    """Median µs of the verify seams per step for ``n_reqs`` hot-buffer
+    requests; with ``after``, only once that many requests have been staged,
+    verified ``after_steps`` steps and finished before them (in groups of
+    at most 7), as a lone request follows the capacity workload."""
+    from dataplane_fixtures import speculative_server_args
+    from test_coordinator import Env
+
+    per_req = prompt + max(steps, after_steps) * draft_tokens + 256
+    # The same pools with or without --after, so that only the history differs.
+    env = Env(phys=max(n_reqs, _AT_ONCE) * per_req + 1024, draft_tokens=draft_tokens)
+    done = 0
+    while done < after:
+        group = [env.staged(f"a{done + k}", prompt) for k in range(min(_AT_ONCE, after - done))]
+        env.coord.collect_ready_reqs()
+        _verify_steps(env, group, [prompt] * len(group), after_steps, draft_tokens)
+        with speculative_server_args():
+            for r in group:
+                env.finish(r)
+        done += len(group)
+    assert env.drained(), "the requests before the timed ones leaked rows"
+    reqs = [env.staged(f"r{i}", prompt) for i in range(n_reqs)]
+    env.coord.collect_ready_reqs()  # hot buffers (prompt > B), residency off
+    times = _verify_steps(env, reqs, [prompt] * n_reqs, steps, draft_tokens)
     with speculative_server_args():
         for r in reqs:
             env.finish(r)
@@ -114,11 +147,31 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--verify", type=int, default=0, metavar="N",
                     help="time a verify step with N draft tokens instead (2..page size)")
+    ap.add_argument("--after", type=int, default=0, metavar="K",
+                    help="with --verify: also time the requests after K others have been "
+                         "verified and finished (a lone request after the capacity workload)")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="with --after: alternated rounds of both; medians and each round's ratio")
     args = ap.parse_args(argv)
     if args.verify:
-        print(f"{'requests':>8} {'verify map_slots + commit us/step':>34}")
+        cols = f"{'verify map_slots + commit us/step':>34}"
+        if args.after:
+            cols += f" {f'after {args.after} finished':>18} {'ratio':>6}"
+        print(f"{'requests':>8} {cols}")
         for n in (int(x) for x in args.reqs.split(",")):
-            print(f"{n:>8} {run_verify(n, args.steps, args.verify):>34.0f}", flush=True)
+            if not args.after:
+                print(f"{n:>8} {run_verify(n, args.steps, args.verify):>34.0f}", flush=True)
+                continue
+            # Alternated, so that a slower stretch of this machine's cores
+            # (2x apart from one minute to the next here) meets both.
+            fresh, later = [], []
+            for _ in range(args.rounds):
+                fresh.append(run_verify(n, args.steps, args.verify))
+                later.append(run_verify(n, args.steps, args.verify, after=args.after))
+            ratios = sorted(b / a for a, b in zip(fresh, later))
+            print(f"{n:>8} {statistics.median(fresh):>34.0f} {statistics.median(later):>18.0f} "
+                  f"{statistics.median(ratios):>6.2f}  (rounds: "
+                  + ", ".join(f"{b / a:.2f}" for a, b in zip(fresh, later)) + ")", flush=True)
         return 0
     print(f"{'requests':>8} {'hot buffers us/step':>20} {'resident us/step':>17}")
     for n in (int(x) for x in args.reqs.split(",")):
