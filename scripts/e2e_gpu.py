@@ -617,17 +617,13 @@ class ServerStalled(RuntimeError):
 
 
 def _results_or_stall(futs, log_path: Optional[Path], stall_s: float, res: dict) -> None:
-    """Collect the futures' results into ``res``; raise ServerStalled when
-    ``log_path`` stops growing for ``stall_s`` with some still pending."""
+    """Collect the futures' results into ``res`` in submission order (the
+    comparisons with base pair requests by position); raise ServerStalled
+    when ``log_path`` stops growing for ``stall_s`` with some still pending."""
     pending = set(futs)
     size, since = (log_path.stat().st_size if log_path else 0), time.time()
     while pending:
-        done, pending = wait(pending, timeout=5.0)
-        for f in done:
-            try:
-                res["requests"].append(f.result())
-            except Exception as exc:
-                res["errors"].append(repr(exc))
+        _, pending = wait(pending, timeout=5.0)
         if log_path is None or not pending:
             continue
         now = log_path.stat().st_size
@@ -636,6 +632,11 @@ def _results_or_stall(futs, log_path: Optional[Path], stall_s: float, res: dict)
         elif time.time() - since > stall_s:
             raise ServerStalled(f"no server log line for {stall_s:.0f} s with {len(pending)} "
                                 f"of {len(futs)} requests outstanding ({log_path.name})")
+    for f in futs:
+        try:
+            res["requests"].append(f.result())
+        except Exception as exc:
+            res["errors"].append(repr(exc))
 
 
 def run_workload(url: str, name: str, seed0: int = 0, max_requests: Optional[int] = None,

@@ -934,3 +934,23 @@ def test_a_server_whose_log_stops_is_reported_stalled_not_waited_for(tmp_path):
     finally:
         ep.close()
     assert not res["errors"] and len(res["requests"]) == 1
+
+
+def test_a_workloads_requests_come_back_in_the_order_sent():
+    # The comparisons with base pair requests by position: a group's results
+    # keep the order of its prompts, whichever finishes first.
+    from test_pd_gpu_script import Endpoint, sse
+
+    e2e = _load("e2e_gpu", SCRIPTS / "e2e_gpu.py")
+
+    def answer(body):  # the longer the prompt, the sooner it finishes
+        time.sleep(max(0.0, 2.0 - len(body["input_ids"]) / 5000))
+        yield sse({"output_ids": [len(body["input_ids"])], "meta_info": {}})
+        yield "data: [DONE]"
+
+    ep = Endpoint(answer)
+    try:
+        res = e2e.run_workload(ep.url, "smoke", max_new=1)
+    finally:
+        ep.close()
+    assert [r["output_ids"][0] for r in res["requests"]] == [600, 3000, 9000, 7000, 8500]
