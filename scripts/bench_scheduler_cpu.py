@@ -168,10 +168,10 @@ def main(argv=None) -> int:
             for _ in range(args.rounds):
                 fresh.append(run_verify(n, args.steps, args.verify))
                 later.append(run_verify(n, args.steps, args.verify, after=args.after))
-            ratios = sorted(b / a for a, b in zip(fresh, later))
+            ratios = [b / a for a, b in zip(fresh, later)]
             print(f"{n:>8} {statistics.median(fresh):>34.0f} {statistics.median(later):>18.0f} "
                   f"{statistics.median(ratios):>6.2f}  (rounds: "
-                  + ", ".join(f"{b / a:.2f}" for a, b in zip(fresh, later)) + ")", flush=True)
+                  + ", ".join(f"{r:.2f}" for r in ratios) + ")", flush=True)
         return 0
     print(f"{'requests':>8} {'hot buffers us/step':>20} {'resident us/step':>17}")
     for n in (int(x) for x in args.reqs.split(",")):

@@ -74,12 +74,13 @@ def fill_at(tensor: torch.Tensor, index, value: int) -> None:
         i = int(index)
         tensor[i:i + 1].fill_(value)
         return
-    # (An index on another device moves, as the assignment would move it.)
-    index = index.reshape(-1).to(tensor.device)
+    index = index.reshape(-1)
     if index.dtype == torch.bool:
-        tensor.masked_fill_(index, value)
-    else:
-        tensor.index_fill_(0, index.to(torch.int64), value)
+        tensor.masked_fill_(index.to(tensor.device), value)
+        return
+    if index.device != tensor.device:  # moved as the assignment would, but staged
+        index = device_index(index, tensor.device)
+    tensor.index_fill_(0, index.to(torch.int64), value)
 
 
 class CpuEvent:
