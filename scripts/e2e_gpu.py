@@ -37,6 +37,10 @@ Configurations:
           path)
   stock   0.5.13 as shipped, plugin not loaded (expected to crash at the
           first decode step)
+  plain   base without speculative decoding: with --mtp every other
+          configuration runs MTP, plain decodes one token a step; its
+          outputs are what greedy MTP must reproduce (the summary compares
+          every configuration with it as with base)
   ref     ours from another copy of the package (--ref-pkg DIR: a
           ``pip install --no-deps --target DIR`` of, e.g., an earlier commit),
           for before/after comparisons in one run; DIR goes first on the
@@ -226,7 +230,11 @@ WORKLOADS = {
 WORKLOAD_ENV = {"drain": {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "20"}}
 
 CONFIGS = ("base", "native", "ours", "nopark", "stream", "nostream", "noio", "sync", "warp", "nograph",
-           "nores", "stock", "ref")
+           "nores", "stock", "ref", "plain")
+# Configurations that do not run this package's data plane: no --check and
+# no MTP switch for them (stock runs 0.5.13's own HiSparse, so it still gets
+# --enable-hisparse; base and plain do not).
+NO_HISPARSE = ("base", "stock", "plain")
 # Configurations whose server runs this work tree's data plane, and what
 # --check must find in them: noio skips the host copies, a planted fault.
 CHECK_EXPECT = {"ours": "exact", "nopark": "exact", "stream": "exact", "nostream": "exact", "sync": "exact",
@@ -239,6 +247,18 @@ SYNTHETIC_ENV = "SGLANG_HISPARSE_SYNTHETIC_TOPK"
 SYNTHETIC_CONFIGS = ("ours", "nopark", "stream", "nostream", "noio", "sync", "warp", "native")
 # The IndexShare prefetch configurations, each compared with sync and noio.
 PREFETCH_CONFIGS = ("ours", "warp")
+
+PARALLEL_PORT_STRIDE = 7  # gpu_stages.sh probes ports 30010 + 7k
+
+
+# --parallel: each server's --mem-fraction-static. Not a share of the GPU:
+# SGLang sizes a pool from the memory free after its weights load minus
+# (1 - fraction) x what was free before, so the servers starting beside it,
+# allocating in between, count against it; a large fraction tolerates them,
+# and --max-total-tokens (every workload sets it, 131072 otherwise) caps
+# what each pool really takes (2026-12-03: the PD harness ran six servers
+# at 0.35 each).
+PARALLEL_MEM_FRACTION = "0.6"
 
 
 STEP_TIMER_DIR = Path(__file__).resolve().parent / "steptimer"
@@ -301,7 +321,10 @@ def server_cmd(model: str, port: int, config: str, extra: list[str],
                ref_pkg: Optional[str] = None, check: bool = False,
                server_args: Optional[list[str]] = None,
                synthetic: Optional[str] = None, mtp: bool = False,
-               extra_env: Optional[dict] = None) -> tuple[list[str], dict]:
+               extra_env: Optional[dict] = None,
+               spec_flags: Optional[list[str]] = None) -> tuple[list[str], dict]:
+    """The server's command line and environment. ``spec_flags`` (--mtp's
+    EAGLE flags) reach every configuration but plain."""
     if config not in CONFIGS:
         raise ValueError(f"unknown configuration {config!r}; allowed: {', '.join(CONFIGS)}")
     if config == "ref" and not ref_pkg:
@@ -327,15 +350,19 @@ def server_cmd(model: str, port: int, config: str, extra: list[str],
         # lengthens every launch.
         "--cuda-graph-max-bs", "32",
     ]
-    extra = list(extra) + list(server_args or [])  # later flags win in SGLang's argparse
+    if config == "plain":
+        spec_flags, mtp = None, False
+    mtp = mtp or bool(spec_flags)
+    # later flags win in SGLang's argparse
+    extra = list(extra) + list(spec_flags or []) + list(server_args or [])
     if "--max-total-tokens" not in extra:
         args += ["--max-total-tokens", "131072"]
     args += extra
-    if config != "base":
+    if config not in ("base", "plain"):
         args += ["--enable-hisparse", "--hisparse-config", json.dumps(hs_config or ARCH_HS_CONFIG[arch])]
-    if check and config not in ("base", "stock"):
+    if check and config not in NO_HISPARSE:
         env[CHECK_ENV] = "1"
-    if mtp and config not in ("base", "stock"):
+    if mtp and config not in NO_HISPARSE:
         # MTP with HiSparse is behind the development switch until its GPU proof.
         env[EXPERIMENTAL_MTP_ENV] = "1"
     if synthetic and config in SYNTHETIC_CONFIGS:
@@ -1004,12 +1031,27 @@ def summarize_checks(launches: list[dict]) -> list[dict]:
     return rows
 
 
+# Below the indexer's top-k every position is selected, so nothing but the
+# data plane can make two servers differ there: such requests must come out
+# identical. 2048 tokens: the DSA models' index_topk (DeepSeek-V4's 512 C4
+# rows span as many).
+SHORT_TOKENS = 2048
+
+
 def compare(base: dict, other: dict, margin: float, tol: float) -> dict:
-    """Per-step logprob agreement on confident steps of the common prefix."""
+    """Per-step logprob agreement on confident steps of the common prefix,
+    and how many requests came out identical (all, and those whose prompt
+    and output fit in SHORT_TOKENS)."""
     checked = bad = 0
     worst = 0.0
+    requests = identical = short = short_identical = 0
     for a, b in zip(base["requests"], other["requests"]):
         ia, ib = a["output_ids"] or [], b["output_ids"] or []
+        requests += 1
+        identical += ia == ib
+        if a.get("prompt_len", SHORT_TOKENS) + len(ia) <= SHORT_TOKENS:
+            short += 1
+            short_identical += ia == ib
         for s, (ta, tb) in enumerate(zip(ia, ib)):
             top2 = a["top2"][s] if s < len(a["top2"]) else []
             confident = len(top2) == 2 and top2[0] - top2[1] > margin
@@ -1023,7 +1065,24 @@ def compare(base: dict, other: dict, margin: float, tol: float) -> dict:
             worst = max(worst, d)
             checked += 1
             bad += d > tol
-    return {"checked_steps": checked, "violations": bad, "max_abs_dlogprob": worst}
+    return {"checked_steps": checked, "violations": bad, "max_abs_dlogprob": worst,
+            "requests": requests, "identical": identical, "short_requests": short,
+            "short_identical": short_identical}
+
+
+def compare_runs(ref_runs: list, runs: list, margin: float, tol: float) -> dict:
+    """``compare`` over paired runs, summed (the worst step: the largest)."""
+    cmp = [compare(b, o, margin, tol) for b, o in zip(ref_runs, runs)]
+    out = {k: sum(x[k] for x in cmp) for k in ("checked_steps", "violations", "requests",
+                                                "identical", "short_requests", "short_identical")}
+    out["max_abs_dlogprob"] = max((x["max_abs_dlogprob"] for x in cmp), default=None)
+    return out
+
+
+def describe_exactness(ex: dict, tol: float) -> str:
+    return (f"{ex['checked_steps']} steps, {ex['violations']} over {tol}, max "
+            f"{ex['max_abs_dlogprob']}; identical {ex['identical']}/{ex['requests']} (short "
+            f"{ex['short_identical']}/{ex['short_requests']})")
 
 
 def main() -> int:
@@ -1090,6 +1149,12 @@ def main() -> int:
     ap.add_argument("--server-args", default="",
                     help="extra sglang.launch_server flags for every launch, one shell-quoted "
                          "string (after the workload's own; the last of a repeated flag wins)")
+    ap.add_argument("--parallel", action="store_true",
+                    help="launch every configuration of a launch at once, each on its own port "
+                         f"(--port + {PARALLEL_PORT_STRIDE} x its place in --configs; "
+                         f"--mem-fraction-static {PARALLEL_MEM_FRACTION} unless --server-args sets "
+                         "it): outputs, the check, parity and the drain in one launch's time; the "
+                         "servers share the GPU and the cores, so their timings are not figures")
     ap.add_argument("--dry-run", action="store_true",
                     help="launch nothing: print each launch's sglang.launch_server command and the "
                          "environment it adds (the model's architecture decides the flags), then exit")
@@ -1115,6 +1180,8 @@ def main() -> int:
 
     opts = {"hs_config": hs_config, "ref_pkg": args.ref_pkg, "check": args.check,
             "server_args": shlex.split(args.server_args), "synthetic": args.synthetic}
+    if args.parallel and "--mem-fraction-static" not in opts["server_args"]:
+        opts["server_args"] += ["--mem-fraction-static", PARALLEL_MEM_FRACTION]
     if args.geometry:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         import model_config
@@ -1141,8 +1208,7 @@ def main() -> int:
             args.model, spec_flags = mtp_model_and_flags(args.model, Path(args.logs), args.mtp)
         except ValueError as exc:
             ap.error(str(exc))
-        opts["server_args"] += spec_flags
-        opts["mtp"] = True
+        opts["spec_flags"] = spec_flags
     # A config directory given relative to here must still be found from the
     # servers' own (empty) working directory.
     model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
@@ -1170,66 +1236,24 @@ def main() -> int:
         return 2
     results: dict = {c: {w: [] for w in workloads} for c in configs}
     launches: list[dict] = []
+
+    def launch(cfg: str, port: int, rep: int, flags, wenv, ws) -> tuple[dict, dict]:
+        return serve_launch(model, port, cfg, rep, list(flags), dict(wenv), ws, args, opts, cpus)
+
     for rep in range(args.repeats):
         for (flags, wenv), ws in by_flags.items():
-            for cfg in configs:
-                log = Path(args.logs) / f"server_{cfg}_{ws[0]}_{rep}.log"
-                timer_out = (Path(args.logs) / f"steptimer_{cfg}_{ws[0]}_{rep}"
-                             if args.step_timer else None)
-                srv = Server(model, args.port, cfg, list(flags), log, timer_out, cpus,
-                             step_profile=args.step_profile, extra_env=dict(wenv), **opts)
-                launch = {"config": cfg, "rep": rep, "workloads": ws, "log": log.name,
-                          "check": args.check}
-                try:
-                    ready = srv.wait_ready()
-                    launch["ready_s"] = ready
-                    print(f"[{cfg} rep{rep}] ready in {ready:.0f}s", flush=True)
-                    for w in ([w for w in ws if w != "drain"] if args.warmup else []):
-                        # The first batch after launch pays one-time costs (JIT
-                        # builds, allocator growth): run each workload once unrecorded.
-                        run_workload(srv.url, w, seed0=7919, max_requests=args.requests,
-                                     max_new=args.max_new, log_path=log)
-                    if args.step_profile and timer_out is not None:
-                        # The profile restarts at the first batch after this.
-                        (timer_out / "profile_reset").touch()
-                    for inner, w in [(i, w) for i in range(args.inner_repeats) for w in ws]:
-                        mark = log.stat().st_size
-                        time.sleep(0.6 if timer_out else 0)  # let the snapshot catch up
-                        before = step_timer_snapshot(timer_out)
-                        r = (run_drain(srv.url, log, max_new=args.max_new) if w == "drain"
-                             else run_workload(srv.url, w, max_requests=args.requests,
-                                               max_new=args.max_new, log_path=log))
-                        r.update(log_stats(log, mark))
-                        if timer_out:
-                            time.sleep(0.6)
-                            r["step_timer"] = step_timer_diff(before, step_timer_snapshot(timer_out))
-                        results[cfg][w].append(r)
-                        print(f"[{cfg} rep{rep}.{inner}] {w}: {len(r['requests'])} ok, "
-                              f"{len(r['errors'])} errors, {r['output_tok_s']:.0f} tok/s, "
-                              f"tpot {r['mean_tpot_ms']}, ttft {r['median_ttft_s']} s, "
-                              f"step {r['decode_step_ms']} ms, running max {r['max_running']}, "
-                              f"hisparse misses {r['hisparse_misses']} (hit rate "
-                              f"{r['hisparse_hit_rate']}, host read {r['hisparse_host_read_mib']} MiB)"
-                              + (f", exact checked {r['exact_checked']} mismatch {r['exact_mismatch']}"
-                                 if args.check else ""),
-                              flush=True)
-                    if args.check:
-                        flush_counters(srv.url)
-                except Exception as exc:
-                    launch["error"] = repr(exc)
-                    print(f"[{cfg} rep{rep}] FAILED: {exc!r}", flush=True)
-                    for w in ws:
-                        done = sum(1 for _ in results[cfg][w])
-                        missing = (rep + 1) * args.inner_repeats - done
-                        for _ in range(max(0, missing)):
-                            results[cfg][w].append({"requests": [], "errors": [repr(exc)],
-                                                    **log_stats(log, 0)})
-                finally:
-                    srv.stop()
-                    launch.update(log_stats(log, 0))
-                    if args.check:
-                        launch.update(check_verdict(cfg, launch))
-                    launches.append(launch)
+            if args.parallel:
+                # Every configuration at once, each on its own port.
+                with ThreadPoolExecutor(len(configs)) as ex:
+                    futs = [ex.submit(launch, cfg, args.port + PARALLEL_PORT_STRIDE * i, rep, flags,
+                                      wenv, ws) for i, cfg in enumerate(configs)]
+                    launched = [f.result() for f in futs]
+            else:  # one after the other, each launched when the one before has stopped
+                launched = (launch(cfg, args.port, rep, flags, wenv, ws) for cfg in configs)
+            for cfg, (runs, record) in zip(configs, launched):
+                for w in ws:
+                    results[cfg][w].extend(runs[w])
+                launches.append(record)
                 # What is done so far survives a later launch being cut off.
                 Path(args.out).write_text(json.dumps({"partial": True, "env": env, "runs": results,
                                                       "launches": launches}, indent=1))
@@ -1254,6 +1278,69 @@ def main() -> int:
     failed_checks = [c for c in checks if c.get("check_ok") is False]
     failed_drain = [d for d in drain if not d["ok"]]
     return 1 if failed_checks or failed_drain or not all(s.get("ok", True) for s in summary) else 0
+
+
+
+def serve_launch(model: str, port: int, cfg: str, rep: int, flags: list, wenv: dict, ws: list,
+                 args, opts: dict, cpus) -> tuple[dict, dict]:
+    """One launch of ``cfg`` serving the workloads ``ws`` (``args.inner_repeats``
+    runs each, after a warm-up run unless ``--warmup 0``); returns its runs
+    per workload and the launch's record. A launch that fails gets runs
+    holding the error, so every configuration has as many runs as the others."""
+    log = Path(args.logs) / f"server_{cfg}_{ws[0]}_{rep}.log"
+    timer_out = (Path(args.logs) / f"steptimer_{cfg}_{ws[0]}_{rep}" if args.step_timer else None)
+    srv = Server(model, port, cfg, list(flags), log, timer_out, cpus,
+                 step_profile=args.step_profile, extra_env=dict(wenv), **opts)
+    record = {"config": cfg, "rep": rep, "workloads": ws, "log": log.name, "check": args.check,
+              "port": port}
+    runs: dict = {w: [] for w in ws}
+    try:
+        ready = srv.wait_ready()
+        record["ready_s"] = ready
+        print(f"[{cfg} rep{rep}] ready in {ready:.0f}s", flush=True)
+        for w in ([w for w in ws if w != "drain"] if args.warmup else []):
+            # The first batch after launch pays one-time costs (JIT
+            # builds, allocator growth): run each workload once unrecorded.
+            run_workload(srv.url, w, seed0=7919, max_requests=args.requests,
+                         max_new=args.max_new, log_path=log)
+        if args.step_profile and timer_out is not None:
+            # The profile restarts at the first batch after this.
+            (timer_out / "profile_reset").touch()
+        for inner, w in [(i, w) for i in range(args.inner_repeats) for w in ws]:
+            mark = log.stat().st_size
+            time.sleep(0.6 if timer_out else 0)  # let the snapshot catch up
+            before = step_timer_snapshot(timer_out)
+            r = (run_drain(srv.url, log, max_new=args.max_new) if w == "drain"
+                 else run_workload(srv.url, w, max_requests=args.requests,
+                                   max_new=args.max_new, log_path=log))
+            r.update(log_stats(log, mark))
+            if timer_out:
+                time.sleep(0.6)
+                r["step_timer"] = step_timer_diff(before, step_timer_snapshot(timer_out))
+            runs[w].append(r)
+            print(f"[{cfg} rep{rep}.{inner}] {w}: {len(r['requests'])} ok, "
+                  f"{len(r['errors'])} errors, {r['output_tok_s']:.0f} tok/s, "
+                  f"tpot {r['mean_tpot_ms']}, ttft {r['median_ttft_s']} s, "
+                  f"step {r['decode_step_ms']} ms, running max {r['max_running']}, "
+                  f"hisparse misses {r['hisparse_misses']} (hit rate "
+                  f"{r['hisparse_hit_rate']}, host read {r['hisparse_host_read_mib']} MiB)"
+                  + (f", exact checked {r['exact_checked']} mismatch {r['exact_mismatch']}"
+                     if args.check else ""),
+                  flush=True)
+        if args.check:
+            flush_counters(srv.url)
+    except Exception as exc:
+        record["error"] = repr(exc)
+        print(f"[{cfg} rep{rep}] FAILED: {exc!r}", flush=True)
+        for w in ws:
+            for _ in range(max(0, args.inner_repeats - len(runs[w]))):
+                runs[w].append({"requests": [], "errors": [repr(exc)], **log_stats(log, 0)})
+    finally:
+        srv.stop()
+        record.update(log_stats(log, 0))
+        if args.check:
+            record.update(check_verdict(cfg, record))
+    return runs, record
 
 
 def launch_groups(workloads: list[str]) -> dict[tuple, list[str]]:
@@ -1531,20 +1618,13 @@ def summarize(results, configs, workloads, margin, tol, invalid=("noio",)) -> li
                 row["tok_s_vs_ref"] = tps / ref_tps
             if ref_tpot and tpot:
                 row["tpot_vs_ref"] = tpot / ref_tpot
-            if c != "base" and c not in invalid and "base" in results:
-                cmp = [compare(b, o, margin, tol) for b, o in zip(results["base"][w], runs)]
-                row["exactness"] = {
-                    "checked_steps": sum(x["checked_steps"] for x in cmp),
-                    "violations": sum(x["violations"] for x in cmp),
-                    "max_abs_dlogprob": max((x["max_abs_dlogprob"] for x in cmp), default=None),
-                }
-            if c not in ("base", "ref") and c not in invalid and "ref" in results:
-                cmp = [compare(b, o, margin, tol) for b, o in zip(results["ref"][w], runs)]
-                row["exactness_vs_ref"] = {
-                    "checked_steps": sum(x["checked_steps"] for x in cmp),
-                    "violations": sum(x["violations"] for x in cmp),
-                    "max_abs_dlogprob": max((x["max_abs_dlogprob"] for x in cmp), default=None),
-                }
+            # Against base, and against ref and plain where they ran (base
+            # too against plain: MTP's outputs against one token a step).
+            for ref_cfg, key in (("base", "exactness"), ("ref", "exactness_vs_ref"),
+                                 ("plain", "exactness_vs_plain")):
+                if (c != ref_cfg and (c != "base" or ref_cfg == "plain") and c not in invalid
+                        and results.get(ref_cfg, {}).get(w)):
+                    row[key] = compare_runs(results[ref_cfg][w], runs, margin, tol)
             if limit:
                 row["tok_s_vs_limit"] = (tps or 0) / limit["output_tok_s"]
             rows.append(row)
@@ -1557,8 +1637,9 @@ def summarize(results, configs, workloads, margin, tol, invalid=("noio",)) -> li
                   f"{(tpot or 0):7.2f} ± {(tpot_s or 0):5.2f} (x{row.get('tpot_vs_base', 0):.2f}{tpot_ref})   "
                   f"{(step or 0):6.2f} ± {(step_s or 0):4.2f}   "
                   f"{row['max_running']}/{(row['mean_running'] or 0):.1f}   "
-                  + (f"{ex['checked_steps']} steps, {ex['violations']} over {tol}, "
-                     f"max {ex['max_abs_dlogprob']}" if ex else "-"), flush=True)
+                  + (describe_exactness(ex, tol) if ex else "-")
+                  + (f"; vs plain: {describe_exactness(row['exactness_vs_plain'], tol)}"
+                     if row.get("exactness_vs_plain") else ""), flush=True)
         if limit:
             shares = ", ".join(f"{r['config']} {r['tok_s_vs_limit']:.2f}"
                                for r in rows[-len(configs):])  # this workload's, in order

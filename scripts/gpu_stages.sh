@@ -107,6 +107,23 @@
 #             forced retraction, 4 aborts mid-decode, then a probe whose
 #             decode log lines must show the pools back (the "drain" line).
 #             3 launches, capped at GF_MTP_CAP_S (510 s): ~8 min cold.
+#   mtpproof  MTP's exactness proof (issue #17) in one launch's time: six
+#             e2e_gpu.py calls at once, each --parallel --check --warmup 0
+#             (every server on its own port; host_to_device_ratio 2), the
+#             kit model given a NextN layer:
+#               a112   --mtp 1,1,2, B 4096, smoke at --max-total-tokens 40000:
+#                      base, plain (base without MTP), ours, nores, nograph
+#               d112   --mtp 1,1,2, B 4096, drain: ours, nopark, nograph
+#               a314   --mtp 3,1,4, B 8192, smoke as a112: base, ours, nores
+#               s2, s3 the same with SGLANG_SIMULATE_ACC_LEN 2 and 3: base, nores
+#               d314   --mtp 3,1,4, B 8192, drain: ours
+#             16 servers; prints each call's tables (logprobs vs base and vs
+#             plain, identical requests, the check, the parity, the drains).
+#             GF_MTPPROOF (a112,d112,a314,s2,s3,d314) picks calls. Needs warm
+#             kernel caches (16 servers building them at once would take the
+#             machine's cores for minutes): run it after a stage that served
+#             MTP on this machine, e.g. `mtp`, or with a carried JIT cache.
+#             ~5-6 min.
 #   mtpperf   MTP performance targets (no check): configs GF_MTP_PERF_CONFIGS
 #             (base,ours) on capacity + lone (one launch each, warm-up run
 #             first, --cpu-probe), GF_MTP_PERF_REPEATS (1) rounds; prints the
@@ -262,8 +279,8 @@ if [ ${#STAGES[@]} -eq 0 ]; then
   exit 2
 fi
 for s in "${STAGES[@]}"; do
-  case $s in tests|bg-tests|check|fault|e2e|e2e1|e2e2|deep|trace|decode|bound|stream|kbench|mtp|mtpperf|mtpprof|pd|indexshare|dsv4|pin|jit) ;;
-    *) echo "unknown stage $s (tests bg-tests check fault e2e e2e1 e2e2 deep trace decode bound stream kbench mtp mtpperf mtpprof pd indexshare dsv4 pin jit)"; exit 2 ;;
+  case $s in tests|bg-tests|check|fault|e2e|e2e1|e2e2|deep|trace|decode|bound|stream|kbench|mtp|mtpproof|mtpperf|mtpprof|pd|indexshare|dsv4|pin|jit) ;;
+    *) echo "unknown stage $s (tests bg-tests check fault e2e e2e1 e2e2 deep trace decode bound stream kbench mtp mtpproof mtpperf mtpprof pd indexshare dsv4 pin jit)"; exit 2 ;;
   esac
 done
 [ -f scripts/e2e_gpu.py ] && [ -f .gpu/device_env.sh ] || {
@@ -447,6 +464,8 @@ summarize_stage() {
       grep -E '^\[[a-z0-9-]+\] (ready|FAILED)|^mooncake_env|Traceback' "$f" | cut -c1-300
       sed -n '/^PD summary/,$p' "$f"
       grep -q '^PD summary' "$f" || tail -20 "$f" ;;
+    mtpproof)
+      grep -v '^$' "$f" | cut -c1-400 ;;
     decode|mtpprof)
       grep -E '^\[[a-z]+\] ' "$f" | cut -c1-300
       sed -n '/^per decode step/,$p' "$f"
@@ -554,6 +573,43 @@ mtp_cmd() {  # ours vs base with the check and the parity, then the drain (see t
       --mtp "${GF_MTP:-1,1,2}" ${GF_MTP_HS:+--hisparse-config "$GF_MTP_HS"} --check --warmup 0 \
       --out "$RUN/mtp_drain.json" --logs "$RUN/mtp_drain" || rc=1
   fi
+  return $rc
+}
+
+# mtpproof's calls: NAME|environment|--mtp|hot buffer|configs|workload
+MTPPROOF_CALLS=(
+  "a112||1,1,2|4096|base,plain,ours,nores,nograph|smoke"
+  "d112||1,1,2|4096|ours,nopark,nograph|drain"
+  "a314||3,1,4|8192|base,ours,nores|smoke"
+  "s2|SGLANG_SIMULATE_ACC_LEN=2|3,1,4|8192|base,nores|smoke"
+  "s3|SGLANG_SIMULATE_ACC_LEN=3|3,1,4|8192|base,nores|smoke"
+  "d314||3,1,4|8192|ours|drain"
+)
+
+mtpproof_cmd() {  # the calls at once, each on ports of its own (see the header)
+  local spec name envs mtp hot configs w i=0 r rc=0 pids=() specs=() extra
+  local want=",${GF_MTPPROOF:-a112,d112,a314,s2,s3,d314},"
+  for spec in "${MTPPROOF_CALLS[@]}"; do
+    IFS='|' read -r name envs mtp hot configs w <<< "$spec"
+    [[ $want == *",$name,"* ]] || continue
+    extra=()
+    # The smoke's longest pair is 15.5K tokens; 40000 rows keep each pool
+    # small (the drain brings its own 30000).
+    [ "$w" = smoke ] && extra=(--server-args "--max-total-tokens 40000")
+    env $envs "${E2E[@]}" --port $(( PORT + 100 * i )) --parallel --mtp "$mtp" \
+      --hisparse-config "{\"top_k\": 2048, \"device_buffer_size\": $hot, \"host_to_device_ratio\": 2}" \
+      --configs "$configs" --workloads "$w" --check --warmup 0 "${extra[@]}" \
+      --out "$RUN/mtpproof_$name.json" --logs "$RUN/mtpproof_$name" > "$RUN/mtpproof_$name.out" 2>&1 &
+    pids+=($!); specs+=("$spec"); i=$(( i + 1 ))
+  done
+  for i in "${!pids[@]}"; do
+    wait "${pids[$i]}"; r=$?
+    [ "$r" = 0 ] || rc=1
+    name=${specs[$i]%%|*}
+    echo "== mtpproof ${specs[$i]}: rc $r"
+    grep -E '\] (ready in|FAILED)|Traceback' "$RUN/mtpproof_$name.out" | cut -c1-300
+    sed -n '/^workload    config/,$p' "$RUN/mtpproof_$name.out"
+  done
   return $rc
 }
 
@@ -719,6 +775,9 @@ trace_cmd"
     mtp)
       run_stage mtp 150 "${GF_MTP_CAP_S:-510}" bash -c "$(declare -f mtp_cmd); $(declare -p E2E RUN); mtp_cmd"
       show mtp ;;
+    mtpproof)
+      run_stage mtpproof 240 "${GF_MTPPROOF_CAP_S:-540}" bash -c "$(declare -f mtpproof_cmd); $(declare -p E2E RUN PORT MTPPROOF_CALLS); mtpproof_cmd"
+      show mtpproof ;;
     mtpperf)
       run_stage mtpperf 200 560 bash -c "$(declare -f mtpperf_cmd); $(declare -p E2E CPU_ARGS RUN); mtpperf_cmd"
       show mtpperf ;;

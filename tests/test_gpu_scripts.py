@@ -954,3 +954,106 @@ def test_a_workloads_requests_come_back_in_the_order_sent():
     finally:
         ep.close()
     assert [r["output_ids"][0] for r in res["requests"]] == [600, 3000, 9000, 7000, 8500]
+
+
+class _StandInServer:
+    """e2e_gpu.Server's shape over an HTTP stand-in: records the command the
+    real one would run, when it started and stopped; its /generate answers
+    every prompt with the same ids (the long prompt's last token differs in
+    the configuration ``differs``), top-2 logprobs and speculative counts."""
+
+    events: list = []
+    differs = None
+
+    def __init__(self, model, port, config, extra, log_path, step_timer_out=None, cpus=None,
+                 step_profile=False, **opts):
+        from test_pd_gpu_script import Endpoint, sse
+
+        e2e = sys.modules["e2e_gpu"]
+        self.cmd, _ = e2e.server_cmd(model, port, config, extra, **opts)
+        self.config, self.port = config, port
+        log_path.write_text("launch\n")
+        differs = config == _StandInServer.differs
+
+        def answer(body):
+            n = body["sampling_params"]["max_new_tokens"]
+            ids = [7] * n
+            if differs and len(body["input_ids"]) > 2048:
+                ids[-1] = 8
+            time.sleep(0.05)
+            yield sse({"output_ids": ids, "meta_info": {
+                "output_token_logprobs": [[-0.1, t] for t in ids],
+                "output_top_logprobs": [[[-0.1, t], [-3.0, 1]] for t in ids],
+                "spec_verify_ct": n, "spec_accept_length": 1.0}})
+            yield "data: [DONE]"
+
+        self.endpoint = Endpoint(answer)
+        self.url = self.endpoint.url
+        _StandInServer.events.append(("start", config, time.time()))
+
+    def wait_ready(self, timeout=420):
+        time.sleep(0.3)
+        return 0.3
+
+    def stop(self):
+        _StandInServer.events.append(("stop", self.config, time.time()))
+        self.endpoint.close()
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_parallel_launches_every_config_at_once_and_plain_runs_without_mtp(
+        tmp_path, monkeypatch, capsys, parallel):
+    """--parallel starts every configuration before any stops, each on its
+    own port with the parallel memory fraction; without it each launch
+    starts after the one before stopped. plain drops the EAGLE flags and
+    HiSparse, and every configuration is compared with it: identical
+    requests, short ones (within index_topk) counted apart."""
+    e2e = _load("e2e_gpu", SCRIPTS / "e2e_gpu.py")
+    monkeypatch.setitem(sys.modules, "e2e_gpu", e2e)
+    monkeypatch.setattr(e2e, "Server", _StandInServer)
+    monkeypatch.setattr(e2e, "package_origin", lambda env: {"origin": "stand-in"})
+    _StandInServer.events, _StandInServer.differs = [], "ours"
+    kit = tmp_path / "kit"
+    kit.mkdir()
+    (kit / "config.json").write_text(json.dumps({"num_hidden_layers": 4}))
+    launched = []
+    real_init = _StandInServer.__init__
+
+    def record(self, *a, **kw):
+        real_init(self, *a, **kw)
+        launched.append(self)
+
+    monkeypatch.setattr(_StandInServer, "__init__", record)
+    out = tmp_path / "e2e.json"
+    monkeypatch.setattr(sys, "argv", [
+        "e2e_gpu.py", "--model", str(kit), "--configs", "base,ours,plain", "--workloads", "smoke",
+        "--mtp", "1,1,2", "--warmup", "0", "--port", "31000", "--out", str(out),
+        "--logs", str(tmp_path / "logs")] + (["--parallel"] if parallel else []))
+    assert e2e.main() == 0
+
+    starts = {c: t for kind, c, t in _StandInServer.events if kind == "start"}
+    stops = {c: t for kind, c, t in _StandInServer.events if kind == "stop"}
+    if parallel:
+        assert max(starts.values()) < min(stops.values())
+        assert {s.config: s.port for s in launched} == {"base": 31000, "ours": 31007, "plain": 31014}
+    else:
+        assert starts["ours"] >= stops["base"] and starts["plain"] >= stops["ours"]
+        assert {s.port for s in launched} == {31000}
+    cmds = {s.config: s.cmd for s in launched}
+    fraction = [c[c.index("--mem-fraction-static", i) + 1] for c in cmds.values()
+                for i in [len(c) - 1 - c[::-1].index("--mem-fraction-static")]]
+    assert fraction == ([e2e.PARALLEL_MEM_FRACTION] * 3 if parallel else ["0.35"] * 3)
+    assert "--speculative-algorithm" in cmds["base"] and "--speculative-algorithm" in cmds["ours"]
+    assert "--speculative-algorithm" not in cmds["plain"]
+    assert "--enable-hisparse" in cmds["ours"] and "--enable-hisparse" not in cmds["plain"]
+
+    summary = {r["config"]: r for r in json.loads(out.read_text())["summary"]}
+    # ours differs from both on the long prompts' last token only.
+    for key in ("exactness", "exactness_vs_plain"):
+        ex = summary["ours"][key]
+        assert (ex["requests"], ex["identical"], ex["short_requests"], ex["short_identical"]) == \
+            (5, 1, 1, 1)
+        assert ex["violations"] == 4  # a confident step that differs
+    assert summary["base"]["exactness_vs_plain"]["identical"] == 5
+    assert "exactness_vs_plain" not in summary["plain"]
+    assert "vs plain: 116 steps, 4 over 0.05, max 0.0; identical 1/5 (short 1/1)" in capsys.readouterr().out
