@@ -41,6 +41,9 @@ Configurations:
           configuration runs MTP, plain decodes one token a step; its
           outputs are what greedy MTP must reproduce (the summary compares
           every configuration with it as with base)
+  base2   a second launch of base: compared with base like every other
+          configuration, it shows how far two launches of the same server
+          are apart (the control for a logprob step over --tol)
   ref     ours from another copy of the package (--ref-pkg DIR: a
           ``pip install --no-deps --target DIR`` of, e.g., an earlier commit),
           for before/after comparisons in one run; DIR goes first on the
@@ -230,11 +233,11 @@ WORKLOADS = {
 WORKLOAD_ENV = {"drain": {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "20"}}
 
 CONFIGS = ("base", "native", "ours", "nopark", "stream", "nostream", "noio", "sync", "warp", "nograph",
-           "nores", "stock", "ref", "plain")
+           "nores", "stock", "ref", "plain", "base2")
 # Configurations that do not run this package's data plane: no --check and
 # no MTP switch for them (stock runs 0.5.13's own HiSparse, so it still gets
-# --enable-hisparse; base and plain do not).
-NO_HISPARSE = ("base", "stock", "plain")
+# --enable-hisparse; base, base2 and plain do not).
+NO_HISPARSE = ("base", "base2", "stock", "plain")
 # Configurations whose server runs this work tree's data plane, and what
 # --check must find in them: noio skips the host copies, a planted fault.
 CHECK_EXPECT = {"ours": "exact", "nopark": "exact", "stream": "exact", "nostream": "exact", "sync": "exact",
@@ -358,7 +361,7 @@ def server_cmd(model: str, port: int, config: str, extra: list[str],
     if "--max-total-tokens" not in extra:
         args += ["--max-total-tokens", "131072"]
     args += extra
-    if config not in ("base", "plain"):
+    if config not in ("base", "base2", "plain"):
         args += ["--enable-hisparse", "--hisparse-config", json.dumps(hs_config or ARCH_HS_CONFIG[arch])]
     if check and config not in NO_HISPARSE:
         env[CHECK_ENV] = "1"
@@ -893,7 +896,7 @@ def summarize_spec(results, configs, workloads) -> list[dict]:
                    if q.get("spec_accept_length") is not None]
             row = {"workload": w, "config": c,
                    "mean_accept_length": statistics.mean(acc) if acc else None}
-            if c != "base" and base_runs:
+            if c not in ("base", "plain") and base_runs:  # plain runs no speculation
                 parts = [spec_parity(b, o) for b, o in zip(base_runs, runs)]
                 for k in ("requests", "identical_outputs", "verify_ct_equal",
                           "identical_but_verify_ct_differs"):
@@ -1289,6 +1292,11 @@ def serve_launch(model: str, port: int, cfg: str, rep: int, flags: list, wenv: d
     holding the error, so every configuration has as many runs as the others."""
     log = Path(args.logs) / f"server_{cfg}_{ws[0]}_{rep}.log"
     timer_out = (Path(args.logs) / f"steptimer_{cfg}_{ws[0]}_{rep}" if args.step_timer else None)
+    if args.parallel:
+        # SGLang picks a free port for torch.distributed's store at start-up;
+        # servers starting together can pick the same one (2026-12-04-s3:
+        # EADDRINUSE), so each gets its own next to its HTTP port.
+        flags = list(flags) + ["--nccl-port", str(port + 1)]
     srv = Server(model, port, cfg, list(flags), log, timer_out, cpus,
                  step_profile=args.step_profile, extra_env=dict(wenv), **opts)
     record = {"config": cfg, "rep": rep, "workloads": ws, "log": log.name, "check": args.check,

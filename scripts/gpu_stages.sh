@@ -112,12 +112,14 @@
 #             (every server on its own port; host_to_device_ratio 2), the
 #             kit model given a NextN layer:
 #               a112   --mtp 1,1,2, B 4096, smoke at --max-total-tokens 40000:
-#                      base, plain (base without MTP), ours, nores, nograph
+#                      base, base2 (a second base: the control), plain (base
+#                      without MTP), ours, nores, nograph
 #               d112   --mtp 1,1,2, B 4096, drain: ours, nopark, nograph
 #               a314   --mtp 3,1,4, B 8192, smoke as a112: base, ours, nores
 #               s2, s3 the same with SGLANG_SIMULATE_ACC_LEN 2 and 3: base, nores
+#                      (s3: also base2 and ours)
 #               d314   --mtp 3,1,4, B 8192, drain: ours
-#             16 servers; prints each call's tables (logprobs vs base and vs
+#             19 servers; prints each call's tables (logprobs vs base and vs
 #             plain, identical requests, the check, the parity, the drains).
 #             GF_MTPPROOF (a112,d112,a314,s2,s3,d314) picks calls. Needs warm
 #             kernel caches (16 servers building them at once would take the
@@ -578,11 +580,11 @@ mtp_cmd() {  # ours vs base with the check and the parity, then the drain (see t
 
 # mtpproof's calls: NAME|environment|--mtp|hot buffer|configs|workload
 MTPPROOF_CALLS=(
-  "a112||1,1,2|4096|base,plain,ours,nores,nograph|smoke"
+  "a112||1,1,2|4096|base,base2,plain,ours,nores,nograph|smoke"
   "d112||1,1,2|4096|ours,nopark,nograph|drain"
   "a314||3,1,4|8192|base,ours,nores|smoke"
   "s2|SGLANG_SIMULATE_ACC_LEN=2|3,1,4|8192|base,nores|smoke"
-  "s3|SGLANG_SIMULATE_ACC_LEN=3|3,1,4|8192|base,nores|smoke"
+  "s3|SGLANG_SIMULATE_ACC_LEN=3|3,1,4|8192|base,base2,ours,nores|smoke"
   "d314||3,1,4|8192|ours|drain"
 )
 

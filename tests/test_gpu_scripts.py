@@ -1036,6 +1036,8 @@ def test_parallel_launches_every_config_at_once_and_plain_runs_without_mtp(
     if parallel:
         assert max(starts.values()) < min(stops.values())
         assert {s.config: s.port for s in launched} == {"base": 31000, "ours": 31007, "plain": 31014}
+        # torch.distributed's store port too: SGLang's own pick raced (EADDRINUSE).
+        assert all(s.cmd[s.cmd.index("--nccl-port") + 1] == str(s.port + 1) for s in launched)
     else:
         assert starts["ours"] >= stops["base"] and starts["plain"] >= stops["ours"]
         assert {s.port for s in launched} == {31000}

@@ -76,7 +76,8 @@ def test_fill_at_one_position_does_not_sync_where_an_int_assignment_does(syncs_r
     # copies a 0-d CPU tensor onto a 0-d slot (a sync; seen 2026-12-04-s2).
     resident = torch.zeros(8, dtype=torch.int32, device="cuda")
     fill_at(resident, 5, 1)
+    control = torch.zeros(8, dtype=torch.int32, device="cuda")
     with pytest.raises(RuntimeError, match="synchroniz"):
-        resident[2] = 1  # the control
+        control[2] = 1  # raises at its sync, before the copy (2026-12-04-s3)
     torch.cuda.set_sync_debug_mode("default")
-    assert resident.tolist() == [0, 0, 1, 0, 0, 1, 0, 0]
+    assert resident.tolist() == [0, 0, 0, 0, 0, 1, 0, 0]
