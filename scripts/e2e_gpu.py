@@ -234,8 +234,8 @@ WORKLOAD_ENV = {"drain": {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTER
 
 CONFIGS = ("base", "native", "ours", "nopark", "stream", "nostream", "noio", "sync", "warp", "nograph",
            "nores", "stock", "ref", "plain", "base2")
-# Configurations that do not run this package's data plane: no --check and
-# no MTP switch for them (stock runs 0.5.13's own HiSparse, so it still gets
+# Configurations that do not run this package's data plane: no --check for
+# them (stock runs 0.5.13's own HiSparse, so it still gets
 # --enable-hisparse; base, base2 and plain do not).
 NO_HISPARSE = ("base", "base2", "stock", "plain")
 # Configurations whose server runs this work tree's data plane, and what
@@ -243,7 +243,6 @@ NO_HISPARSE = ("base", "base2", "stock", "plain")
 CHECK_EXPECT = {"ours": "exact", "nopark": "exact", "stream": "exact", "nostream": "exact", "sync": "exact",
                 "warp": "exact", "nograph": "exact", "nores": "exact", "noio": "mismatch"}
 CHECK_ENV = "SGLANG_HISPARSE_CHECK"
-EXPERIMENTAL_MTP_ENV = "SGLANG_HISPARSE_EXPERIMENTAL_MTP"
 SYNTHETIC_ENV = "SGLANG_HISPARSE_SYNTHETIC_TOPK"
 # Where --synthetic reaches: this work tree's data plane, and SGLang's own
 # through the plugin's native-mode hook (adapter/native.py).
@@ -323,7 +322,7 @@ def server_cmd(model: str, port: int, config: str, extra: list[str],
                step_profile: bool = False, hs_config: Optional[dict] = None,
                ref_pkg: Optional[str] = None, check: bool = False,
                server_args: Optional[list[str]] = None,
-               synthetic: Optional[str] = None, mtp: bool = False,
+               synthetic: Optional[str] = None,
                extra_env: Optional[dict] = None,
                spec_flags: Optional[list[str]] = None) -> tuple[list[str], dict]:
     """The server's command line and environment. ``spec_flags`` (--mtp's
@@ -354,8 +353,7 @@ def server_cmd(model: str, port: int, config: str, extra: list[str],
         "--cuda-graph-max-bs", "32",
     ]
     if config == "plain":
-        spec_flags, mtp = None, False
-    mtp = mtp or bool(spec_flags)
+        spec_flags = None
     # later flags win in SGLang's argparse
     extra = list(extra) + list(spec_flags or []) + list(server_args or [])
     if "--max-total-tokens" not in extra:
@@ -365,9 +363,6 @@ def server_cmd(model: str, port: int, config: str, extra: list[str],
         args += ["--enable-hisparse", "--hisparse-config", json.dumps(hs_config or ARCH_HS_CONFIG[arch])]
     if check and config not in NO_HISPARSE:
         env[CHECK_ENV] = "1"
-    if mtp and config not in NO_HISPARSE:
-        # MTP with HiSparse is behind the development switch until its GPU proof.
-        env[EXPERIMENTAL_MTP_ENV] = "1"
     if synthetic and config in SYNTHETIC_CONFIGS:
         env[SYNTHETIC_ENV] = synthetic
     if config == "ref":

@@ -93,9 +93,9 @@
 #             GF_KBENCH picks tables (decode verify; overlap: --overlap, the
 #             IndexShare prefetch replay beside compute per replay grid).
 #             ~2 min cold (nvcc builds), ~1 min warm.
-#   mtp       MTP (EAGLE) with HiSparse behind SGLANG_HISPARSE_EXPERIMENTAL_MTP,
-#             the kit model given a NextN layer, --mtp GF_MTP (1,1,2: steps,
-#             top-k, draft tokens), --hisparse-config GF_MTP_HS if set (4 draft
+#   mtp       MTP (EAGLE) with HiSparse, one launch after the other
+#             (mtpproof runs the whole matrix at once), the kit model given a
+#             NextN layer, --mtp GF_MTP (1,1,2: steps, top-k, draft tokens), --hisparse-config GF_MTP_HS if set (4 draft
 #             tokens need a hot buffer of >= 4 x 2048), two e2e_gpu.py calls:
 #             1. configs GF_MTP_CONFIGS (base,ours: ours keeps requests
 #             resident while rows allow) on GF_MTP_WORKLOADS (smoke) with

@@ -323,8 +323,8 @@ def profile_one(args, config: str, totals: dict, reqs: int) -> int:
     os.environ["SGLANG_TORCH_PROFILER_DIR"] = str(prof_dir)
     log = out / f"server_prof_{tag}.log"
     hs_config = json.loads(args.hisparse_config) if args.hisparse_config else None
-    srv = e2e_gpu.Server(args.model, args.port, config, args.extra.split() + args.spec_flags, log,
-                         synthetic=args.synthetic, hs_config=hs_config, mtp=bool(args.mtp))
+    srv = e2e_gpu.Server(args.model, args.port, config, args.extra.split(), log,
+                         synthetic=args.synthetic, hs_config=hs_config, spec_flags=args.spec_flags)
     try:
         print(f"[{config}] ready in {srv.wait_ready():.0f}s", flush=True)
         results = []

@@ -102,9 +102,10 @@ class SpeculativeArgs:
     spec_v2: bool  # the V2 worker (0.5.13: SGLANG_ENABLE_SPEC_V2; always from 0.5.15)
     overlap_plan_stream: bool  # SGLANG_ENABLE_OVERLAP_PLAN_STREAM
     page_size: int  # --page-size (SGLang forces 64 on DSA models)
-    # The release's verify-step seams are wired (adapter/speculative.py) and
-    # SGLANG_HISPARSE_EXPERIMENTAL_MTP=1 asks for them before their GPU proof.
-    experimental: bool = False
+    # Whether the installed release's verify-step seams are wired
+    # (adapter/speculative.py), and the supported releases where they are.
+    seams_wired: bool = True
+    wired_releases: tuple[str, ...] = ()
 
     @property
     def draft_tokens(self) -> int:
@@ -266,14 +267,15 @@ def speculative_problems(args: HiSparseServerArgs) -> list[str]:
             "(--disaggregation-mode decode) yet")
     # The verify step's seams (adapter/speculative.py: the verify slots, the
     # union swap-in in forward_extend, the commit, the draft runner and its
-    # pool, the FutureMap hand-off) are wired on 0.5.13 but not yet proven on
-    # a GPU: until they are, only the development switch lets them run.
-    if not spec.experimental:
+    # pool, the FutureMap hand-off) are written per release; proven on the
+    # H200 for 0.5.13 (docs/gpu-runs/2026-12-04-s3). A release without them
+    # would run the verify step past the data plane.
+    if not spec.seams_wired:
+        wired = " and ".join(spec.wired_releases) or "none"
         problems.append(
-            "--enable-hisparse does not support speculative decoding (MTP/EAGLE) yet: "
-            "--speculative-algorithm must be unset, got "
-            f"{spec.algorithm} (EAGLE/NEXTN with --speculative-eagle-topk 1 and the overlap "
-            "scheduler is what it will take)")
+            "--enable-hisparse supports speculative decoding (MTP/EAGLE) only on the sglang "
+            f"releases whose verify step it wires ({wired}), not on this one: "
+            f"--speculative-algorithm must be unset, got {spec.algorithm}")
     return problems
 
 

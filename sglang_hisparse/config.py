@@ -196,9 +196,6 @@ RESIDENCY_ENV = "SGLANG_HISPARSE_RESIDENCY"  # coordinator: "0" stages every req
 PARKING_ENV = "SGLANG_HISPARSE_PARKING"  # coordinator: "0" joins staged requests at once
 HOST_ALLOC_ENV = "SGLANG_HISPARSE_HOST_ALLOC"  # host_memory: how host pools are pinned
 CHECK_ENV = "SGLANG_HISPARSE_CHECK"  # coordinator: "1" checks every swap-in's rows (debug)
-# arg rules: "1" lets linear MTP/EAGLE through on a release whose verify seams
-# are wired, before its GPU proof (development only: outputs unproven).
-EXPERIMENTAL_MTP_ENV = "SGLANG_HISPARSE_EXPERIMENTAL_MTP"
 # coordinator: benchmark-only synthetic top-k (kernels/synthetic_top_k.py);
 # its values are a spec, checked by that module's parse, not a fixed list.
 SYNTHETIC_TOPK_ENV = "SGLANG_HISPARSE_SYNTHETIC_TOPK"
@@ -224,7 +221,6 @@ ENV_SWITCHES = {
     RESIDENCY_ENV: ("0", "1"),
     PARKING_ENV: ("0", "1"),
     CHECK_ENV: ("0", "1"),
-    EXPERIMENTAL_MTP_ENV: ("0", "1"),
     SHARED_HOST_POOL_ENV: ("0", "1"),
     INDEXSHARE_PREFETCH_ENV: ("0", "1"),
     HOST_ALLOC_ENV: HOST_ALLOC_MODES,

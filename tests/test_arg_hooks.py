@@ -103,15 +103,8 @@ def cases_with_plugin(dirs) -> dict:
         "speculative_draft_past_page": {**dsv32(*LINEAR), "set": {"page_size": 2}},
         "speculative_pd_decode": dsv32(*LINEAR, "--disaggregation-mode", "decode"),
         "speculative_deepseek_v4": v4(*LINEAR),
-        # The development switch for the wired verify seams (before their GPU proof).
-        "speculative_experimental": {**dsv32(*LINEAR), "env": {"SGLANG_HISPARSE_EXPERIMENTAL_MTP": "1"}},
         # The native comparison mode: SGLang's own data plane reads the config.
         "native_mode_default": {**dsv32(), "env": {"SGLANG_HISPARSE_NATIVE": "1"}},
-        "speculative_experimental_tree": {
-            **dsv32("--attention-backend", "triton", "--speculative-algorithm", "EAGLE",
-                    "--speculative-eagle-topk", "2", "--speculative-num-steps", "3",
-                    "--speculative-num-draft-tokens", "8"),
-            "env": {"SGLANG_HISPARSE_EXPERIMENTAL_MTP": "1"}},
         "pipeline_parallel": dsv32("--pp-size", "2", "--disable-overlap-schedule"),
         "several_problems": {"argv": ["--model-path", str(TINY_DSV32), "--device", "cuda",
                                       "--enable-hisparse", "--enable-mixed-chunk",
@@ -290,39 +283,35 @@ def test_dsa_backend_must_read_the_hisparse_pool(ours):
              "got flashmla_sparse")
 
 
-def test_speculative_decoding_is_rejected(ours):
-    # 0.5.13's draft and verify steps bypass the data plane: refused, linear
-    # drafts included, before any weight loads.
-    for case in ("speculative_linear", "speculative_tree", "speculative_nextn"):
-        rejected(ours[case], "does not support speculative decoding (MTP/EAGLE) yet",
-                 "--speculative-algorithm must be unset, got")
-    # A linear draft breaks no other rule: that one line is all it gets.
+UNWIRED = "only on the sglang releases whose verify step it wires"
+
+
+def test_linear_mtp_runs_where_the_verify_step_is_wired(ours):
+    """Linear MTP/EAGLE (EAGLE or NEXTN, --speculative-eagle-topk 1) is
+    accepted on a release whose verify seams are wired, with the default
+    hot buffer (draft tokens + 1) x top_k; elsewhere it is refused naming
+    the releases that wire it. A tree is refused everywhere for its top-k,
+    and its 8 x 2048 rows would not fit the kernel either."""
+    from sglang_hisparse.adapter import releases
+
+    wired = releases.current.speculative_seams_wired()
+    assert releases.speculative_releases() == tuple(
+        v for v in ("0.5.13", "0.5.13.post1") if v in releases.pins.supported_versions())
     for case in ("speculative_linear", "speculative_nextn"):
-        assert "problems with --enable-hisparse" not in ours[case]["error"], ours[case]
-    # A tree of 8 draft tokens is refused for its top-k, and its 8 x 2048 rows
-    # would not fit the kernel either.
-    rejected(ours["speculative_tree"], "3 problems", "--speculative-eagle-topk must be 1, got 2",
-             "draft_tokens x top_k (8 x 2048) 16384")
+        if wired:
+            assert ours[case]["ok"], ours[case]
+            assert ours[case]["sparse_config"]["device_buffer_size"] == 5 * 2048
+        else:
+            message = rejected(ours[case], UNWIRED, "(0.5.13 and 0.5.13.post1)",
+                               "--speculative-algorithm must be unset, got")
+            assert "problems with" not in message  # a linear draft breaks no other rule
+    error = rejected(ours["speculative_tree"], "--speculative-eagle-topk must be 1, got 2",
+                     "draft_tokens x top_k (8 x 2048) 16384")
+    assert (UNWIRED in error) != wired
     # With the DSA attention backend SGLang already refuses topk > 1 on pages.
     native_first = ours["speculative_tree_native_first"]
     assert native_first["stage"] == "prepare_server_args"
     assert "page_size > 1" in native_first["error"]
-
-
-def test_the_experimental_switch_lets_linear_mtp_through_where_the_seams_are_wired(ours):
-    """SGLANG_HISPARSE_EXPERIMENTAL_MTP=1 drops only the final refusal, on a
-    release whose verify seams exist; every other rule still applies, and the
-    default buffer holds (draft tokens + 1) x top_k."""
-    from sglang_hisparse.adapter import releases
-
-    linear, tree = ours["speculative_experimental"], ours["speculative_experimental_tree"]
-    if releases.current.speculative_seams_wired():
-        assert linear["ok"], linear
-        assert linear["sparse_config"]["device_buffer_size"] == 5 * 2048
-        error = rejected(tree, "--speculative-eagle-topk must be 1, got 2")
-        assert "does not support speculative decoding (MTP/EAGLE) yet" not in error
-    else:
-        rejected(linear, "does not support speculative decoding (MTP/EAGLE) yet")
 
 
 @pytest.mark.parametrize("case,fragments", [
@@ -339,8 +328,12 @@ def test_the_experimental_switch_lets_linear_mtp_through_where_the_seams_are_wir
     ("speculative_deepseek_v4", ("on DeepSeek-V4 does not support speculative decoding",)),
 ])
 def test_each_speculative_rule_names_its_flag(ours, case, fragments):
-    message = rejected(ours[case], "2 problems", *fragments)
-    assert "does not support speculative decoding (MTP/EAGLE) yet" in message
+    from sglang_hisparse.adapter import releases
+
+    wired = releases.current.speculative_seams_wired()
+    message = rejected(ours[case], *fragments)
+    assert (UNWIRED in message) != wired
+    assert ("2 problems" in message) != wired  # on its own where the verify step is wired
 
 
 def test_pipeline_parallelism_not_supported_yet(ours):

@@ -114,7 +114,7 @@ def stage_cases():
             cases[f"{cfg}_{w}"] = {"argv": [*_launch_argv(cmd), "--device", "cuda"]}
     mtp = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "1",
            "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2"]
-    cmd, _ = e2e.server_cmd(str(TINY_DSV4), 30010, "base", [], server_args=mtp, mtp=True)
+    cmd, _ = e2e.server_cmd(str(TINY_DSV4), 30010, "base", [], spec_flags=mtp)
     cases["base_mtp"] = {"argv": [*_launch_argv(cmd), "--device", "cuda"]}
     return cases
 

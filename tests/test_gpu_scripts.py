@@ -704,9 +704,10 @@ def test_spec_parity_compares_verify_counts_request_by_request(capsys):
 def test_mtp_configs_and_the_drain_workloads_server(monkeypatch):
     e2e = _load("e2e_gpu", SCRIPTS / "e2e_gpu.py")
     monkeypatch.delenv("SGLANG_HISPARSE_RESIDENCY", raising=False)
-    args, env = e2e.server_cmd("m", 1, "nograph", [], mtp=True, check=True)
+    args, env = e2e.server_cmd("m", 1, "nograph", [], spec_flags=["--speculative-algorithm", "EAGLE"],
+                               check=True)
     assert "--disable-cuda-graph" in args and env[e2e.CHECK_ENV] == "1"
-    assert env[e2e.EXPERIMENTAL_MTP_ENV] == "1" and "SGLANG_HISPARSE_RESIDENCY" not in env
+    assert "--speculative-algorithm" in args and "SGLANG_HISPARSE_RESIDENCY" not in env
     args, env = e2e.server_cmd("m", 1, "nores", [], extra_env=e2e.WORKLOAD_ENV["drain"])
     assert env["SGLANG_HISPARSE_RESIDENCY"] == "0" and "--disable-cuda-graph" not in args
     assert env["SGLANG_TEST_RETRACT"] == "1"

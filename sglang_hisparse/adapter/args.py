@@ -41,7 +41,6 @@ from sglang_hisparse.arg_rules import (
     find_problems,
 )
 from sglang_hisparse.config import (
-    EXPERIMENTAL_MTP_ENV,
     SHARED_HOST_POOL_ENV,
     HiSparseConfig,
     HiSparseConfigError,
@@ -128,8 +127,8 @@ def speculative_args(server_args) -> SpeculativeArgs | None:
         spec_v2=releases.current.speculative_v2_worker(),
         overlap_plan_stream=bool(envs.SGLANG_ENABLE_OVERLAP_PLAN_STREAM.get()),
         page_size=int(server_args.page_size or 1),
-        experimental=(releases.current.speculative_seams_wired()
-                      and os.environ.get(EXPERIMENTAL_MTP_ENV) == "1"),
+        seams_wired=releases.current.speculative_seams_wired(),
+        wired_releases=releases.speculative_releases(),
     )
 
 

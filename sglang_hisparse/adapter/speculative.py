@@ -18,10 +18,10 @@ each is a manifest entry. A step runs through them in this order:
    to host and the verify slots are unmapped.
 
 The joining batch's draft state (the FutureMap hand-off) is in the
-``_build_hisparse_decode_batch`` source patch. Speculative decoding with
-``--enable-hisparse`` is refused by the argument rules unless
-SGLANG_HISPARSE_EXPERIMENTAL_MTP=1 (until its GPU proof), so in serving these
-hooks are inert unless a verify step exists.
+``_build_hisparse_decode_batch`` source patch. The argument rules accept
+linear MTP/EAGLE with ``--enable-hisparse`` on the releases whose module says
+these seams are wired (``releases.speculative_releases()``); without a
+verify step the hooks are inert.
 """
 
 from __future__ import annotations

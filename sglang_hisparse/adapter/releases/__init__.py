@@ -36,7 +36,8 @@ Every module offers the same names:
 * ``speculative_v2_worker()`` - whether speculative decoding runs the V2
   (FutureMap) worker;
 * ``speculative_seams_wired()`` - whether our verify-step seams exist for
-  the release (MTP can then be let through by SGLANG_HISPARSE_EXPERIMENTAL_MTP);
+  the release (linear MTP/EAGLE runs with HiSparse there, and is refused
+  elsewhere);
 * ``dsv4_kv_mode(pool)`` - how a ``DeepSeekV4TokenToKVPool`` lays out its
   KV: ``"paged"`` (separate paged SWA, C4 and C128 pools) or ``"unified"``
   (0.5.14's one buffer per layer with the SWA window as a per-request ring);
@@ -82,6 +83,12 @@ def module_for(version: str) -> ModuleType:
 
 # The installed release's module: the one place that reads the version.
 current: ModuleType = module_for(sglang_version())
+
+
+def speculative_releases() -> tuple[str, ...]:
+    """The supported releases whose module wires the verify step (what the
+    refusal of MTP elsewhere names)."""
+    return tuple(v for v in pins.supported_versions() if module_for(v).speculative_seams_wired())
 
 
 # The manifest's impl for the DSA backend defaults: the installed release's
