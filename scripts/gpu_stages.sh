@@ -269,7 +269,9 @@
 # base), GF_CPUS (e.g. fastest:4: pin e2e servers
 # to the cores timed fastest; only with a warm JIT cache, kernel builds get
 # those cores only), GF_CHECK_CONFIGS (ours), GF_DEEP_LAYERS (61),
-# GF_DEEP_CONFIGS (ours), GF_XDIST_WORKERS (8).
+# GF_DEEP_CONFIGS (ours), GF_XDIST_WORKERS (8), GF_PARALLEL (0; 1: mtp,
+# dsv4 and indexshare with its check launch their configurations at once,
+# e2e_gpu.py --parallel, on a machine whose kernel caches are warm).
 #
 # Results come back as at most 8 files under $OUT: summary.txt (each
 # stage's rc, wall time and result lines), gf_logs.tar.xz (every stage's
@@ -492,6 +494,12 @@ wait_bg() {
 }
 
 E2E=(python3 scripts/e2e_gpu.py --port "$PORT")
+# GF_PARALLEL=1: the stages that time nothing (mtp, dsv4, indexshare with
+# its check) launch their configurations at once (e2e_gpu.py --parallel;
+# 2026-12-04-s3: 16 MTP servers ready and served in 140 s), instead of one
+# after the other. Needs warm kernel caches, as mtpproof does.
+PAR=()
+[ "${GF_PARALLEL:-0}" = 1 ] && PAR=(--parallel)
 CPU_ARGS=(--cpu-probe)
 [ -n "${GF_CPUS:-}" ] && CPU_ARGS=(--cpus "$GF_CPUS")
 HS_RATIO2='{"top_k": 2048, "device_buffer_size": 4096, "host_to_device_ratio": 2}'
@@ -567,11 +575,11 @@ decode_cmd() {
 
 mtp_cmd() {  # ours vs base with the check and the parity, then the drain (see the header)
   local rc=0
-  "${E2E[@]}" --configs "${GF_MTP_CONFIGS:-base,ours}" --workloads "${GF_MTP_WORKLOADS:-smoke}" \
+  "${E2E[@]}" "${PAR[@]}" --configs "${GF_MTP_CONFIGS:-base,ours}" --workloads "${GF_MTP_WORKLOADS:-smoke}" \
     --mtp "${GF_MTP:-1,1,2}" ${GF_MTP_HS:+--hisparse-config "$GF_MTP_HS"} --check --warmup 0 \
     --out "$RUN/mtp.json" --logs "$RUN/mtp" || rc=1
   if [ -n "${GF_MTP_DRAIN_CONFIGS-nograph}" ]; then
-    "${E2E[@]}" --configs "${GF_MTP_DRAIN_CONFIGS-nograph}" --workloads drain \
+    "${E2E[@]}" "${PAR[@]}" --configs "${GF_MTP_DRAIN_CONFIGS-nograph}" --workloads drain \
       --mtp "${GF_MTP:-1,1,2}" ${GF_MTP_HS:+--hisparse-config "$GF_MTP_HS"} --check --warmup 0 \
       --out "$RUN/mtp_drain.json" --logs "$RUN/mtp_drain" || rc=1
   fi
@@ -641,8 +649,8 @@ indexshare_need_s() {
 }
 
 indexshare_cmd() {
-  local check=(--check --warmup 0)
-  [ "${GF_INDEXSHARE_CHECK:-1}" = 0 ] && check=()
+  local check=(--check --warmup 0 "${PAR[@]}")
+  [ "${GF_INDEXSHARE_CHECK:-1}" = 0 ] && check=()  # timing: one launch after the other
   # GF_INDEXSHARE_LAYERS=N: the V3.2 geometry with N layers instead of the
   # kit model, sized as the 32K workloads are (16 hot buffers at 72000 rows).
   local model=() syn=${GF_INDEXSHARE_SYNTHETIC:-}
@@ -711,7 +719,7 @@ stream_cmd() {
 dsv4_cmd() {
   source scripts/dsv4_env.sh .bundle/dsv4.tar.xz || return 1  # explicit: a sourced file sees the function's $1
   export SGLANG_OPT_FP8_WO_A_GEMM=0
-  "${E2E[@]}" --model "${GF_DSV4_MODEL:-tests/data/tiny-dsv4}" --configs "${GF_DSV4_CONFIGS:-base,ours}" \
+  "${E2E[@]}" "${PAR[@]}" --model "${GF_DSV4_MODEL:-tests/data/tiny-dsv4}" --configs "${GF_DSV4_CONFIGS:-base,ours}" \
     --workloads "${GF_DSV4_WORKLOADS:-smoke}" --check --warmup 0 \
     --hisparse-config "${GF_DSV4_HS:-$HS_DSV4}" \
     --out "$RUN/dsv4.json" --logs "$RUN/dsv4"
@@ -775,7 +783,7 @@ trace_cmd"
       run_stage stream 200 560 bash -c "$(declare -f stream_cmd); $(declare -p E2E CPU_ARGS RUN); stream_cmd"
       show stream ;;
     mtp)
-      run_stage mtp 150 "${GF_MTP_CAP_S:-510}" bash -c "$(declare -f mtp_cmd); $(declare -p E2E RUN); mtp_cmd"
+      run_stage mtp 150 "${GF_MTP_CAP_S:-510}" bash -c "$(declare -f mtp_cmd); $(declare -p E2E PAR RUN); mtp_cmd"
       show mtp ;;
     mtpproof)
       run_stage mtpproof 240 "${GF_MTPPROOF_CAP_S:-540}" bash -c "$(declare -f mtpproof_cmd); $(declare -p E2E RUN PORT MTPPROOF_CALLS); mtpproof_cmd"
@@ -791,7 +799,7 @@ trace_cmd"
       run_stage pd 240 560 bash -c "$(declare -f pd_cmd); $(declare -p RUN); pd_cmd $(( PD_LEFT < 560 ? PD_LEFT : 560 ))"
       show pd ;;
     dsv4)
-      run_stage dsv4 240 "${GF_DSV4_CAP_S:-540}" bash -c "$(declare -f dsv4_cmd); $(declare -p E2E HS_DSV4 RUN); dsv4_cmd"
+      run_stage dsv4 240 "${GF_DSV4_CAP_S:-540}" bash -c "$(declare -f dsv4_cmd); $(declare -p E2E PAR HS_DSV4 RUN); dsv4_cmd"
       show dsv4 ;;
     kbench)
       wait_bg
@@ -803,7 +811,7 @@ trace_cmd"
         IS_TESTS_PID=$!
         say "== indexshare-tests: started in the background (pid $IS_TESTS_PID)"
       fi
-      run_stage indexshare "$(indexshare_need_s)" 540 bash -c "$(declare -f indexshare_cmd); $(declare -p E2E CPU_ARGS RUN); indexshare_cmd"
+      run_stage indexshare "$(indexshare_need_s)" 540 bash -c "$(declare -f indexshare_cmd); $(declare -p E2E PAR CPU_ARGS RUN); indexshare_cmd"
       if [ -n "${IS_TESTS_PID:-}" ]; then
         wait "$IS_TESTS_PID"; IS_TESTS_PID=""
         show indexshare-tests
