@@ -1278,7 +1278,6 @@ def main() -> int:
     return 1 if failed_checks or failed_drain or not all(s.get("ok", True) for s in summary) else 0
 
 
-
 def serve_launch(model: str, port: int, cfg: str, rep: int, flags: list, wenv: dict, ws: list,
                  args, opts: dict, cpus) -> tuple[dict, dict]:
     """One launch of ``cfg`` serving the workloads ``ws`` (``args.inner_repeats``

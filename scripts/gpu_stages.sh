@@ -95,8 +95,9 @@
 #             ~2 min cold (nvcc builds), ~1 min warm.
 #   mtp       MTP (EAGLE) with HiSparse, one launch after the other
 #             (mtpproof runs the whole matrix at once), the kit model given a
-#             NextN layer, --mtp GF_MTP (1,1,2: steps, top-k, draft tokens), --hisparse-config GF_MTP_HS if set (4 draft
-#             tokens need a hot buffer of >= 4 x 2048), two e2e_gpu.py calls:
+#             NextN layer, --mtp GF_MTP (1,1,2: steps, top-k, draft tokens),
+#             --hisparse-config GF_MTP_HS if set (4 draft tokens need a hot
+#             buffer of >= 4 x 2048), two e2e_gpu.py calls:
 #             1. configs GF_MTP_CONFIGS (base,ours: ours keeps requests
 #             resident while rows allow) on GF_MTP_WORKLOADS (smoke) with
 #             --check: logprobs vs base, the check's counters and the
@@ -122,10 +123,10 @@
 #             19 servers; prints each call's tables (logprobs vs base and vs
 #             plain, identical requests, the check, the parity, the drains).
 #             GF_MTPPROOF (a112,d112,a314,s2,s3,d314) picks calls. Needs warm
-#             kernel caches (16 servers building them at once would take the
+#             kernel caches (19 servers building them at once would take the
 #             machine's cores for minutes): run it after a stage that served
 #             MTP on this machine, e.g. `mtp`, or with a carried JIT cache.
-#             ~5-6 min.
+#             2026-12-04-s3: 16 servers in 140 s, warm.
 #   mtpperf   MTP performance targets (no check): configs GF_MTP_PERF_CONFIGS
 #             (base,ours) on capacity + lone (one launch each, warm-up run
 #             first, --cpu-probe), GF_MTP_PERF_REPEATS (1) rounds; prints the
