@@ -91,8 +91,9 @@
 #             0/13/100%) and --verify 2,4 (speculative verify rows: the union
 #             call per layer beside the gather floor and the decode call);
 #             GF_KBENCH picks tables (decode verify; overlap: --overlap, the
-#             IndexShare prefetch replay beside compute per replay grid).
-#             ~2 min cold (nvcc builds), ~1 min warm.
+#             IndexShare prefetch replay beside compute per replay grid;
+#             GF_OVERLAP_GRIDS=GRID,.. names the grids, bench_kernels' sweep
+#             otherwise). ~2 min cold (nvcc builds), ~1 min warm.
 #   mtp       MTP (EAGLE) with HiSparse, one launch after the other
 #             (mtpproof runs the whole matrix at once), the kit model given a
 #             NextN layer, --mtp GF_MTP (1,1,2: steps, top-k, draft tokens),
@@ -161,7 +162,10 @@
 #             (tests/test_index_share_gpu.py and the copy-only kernel's
 #             replay test) in the background while e2e_gpu.py serves the kit
 #             model given index_topk_pattern GF_INDEX_PATTERN (FSSS; e.g.
-#             FSFS) with configs GF_INDEXSHARE_CONFIGS (base,ours,sync,noio:
+#             FSFS; several, comma-separated, are one e2e_gpu.py call each,
+#             at once under GF_PARALLEL=1 with the check, and PATTERN@N
+#             serves the V3.2 geometry with N layers, e.g.
+#             FSSS,FSFS,glm52@12) with configs GF_INDEXSHARE_CONFIGS (base,ours,sync,noio:
 #             ours prefetches, sync has SGLANG_HISPARSE_INDEXSHARE_PREFETCH=0,
 #             noio SGLANG_HISPARSE_SKIP_IO=1; also warp) on GF_INDEXSHARE_WORKLOADS
 #             (capacity: host IO), --check unless GF_INDEXSHARE_CHECK=0
@@ -642,25 +646,61 @@ indexshare_need_s() {
   # What the stage needs before it starts: a launch and its workload per
   # config and round, ~100 s on the V3.2 geometry (2026-12-03-s5: 295 s for
   # three warm) and ~60 s on the kit model; a stage started with less only
-  # times out after its first configs.
+  # times out after its first configs. Launched at once (GF_PARALLEL=1 with
+  # the check), every pattern and config takes about two launches' time.
   local configs=${GF_INDEXSHARE_CONFIGS:-base,ours,sync,noio} per=60
-  [ -n "${GF_INDEXSHARE_LAYERS:-}" ] && per=100
+  [[ -n "${GF_INDEXSHARE_LAYERS:-}" || ${GF_INDEX_PATTERN:-} == *@* ]] && per=100
   local n; n=$(tr ',' '\n' <<< "$configs" | grep -c .)
+  [[ ${GF_PARALLEL:-0} = 1 && ${GF_INDEXSHARE_CHECK:-1} != 0 ]] && n=2
   echo $(( 30 + per * n * ${GF_INDEXSHARE_REPEATS:-1} ))
 }
 
-indexshare_cmd() {
+indexshare_one() {  # $1: PATTERN or PATTERN@LAYERS, $2: port, $3: name of its outputs
   local check=(--check --warmup 0 "${PAR[@]}")
   [ "${GF_INDEXSHARE_CHECK:-1}" = 0 ] && check=()  # timing: one launch after the other
-  # GF_INDEXSHARE_LAYERS=N: the V3.2 geometry with N layers instead of the
-  # kit model, sized as the 32K workloads are (16 hot buffers at 72000 rows).
-  local model=() syn=${GF_INDEXSHARE_SYNTHETIC:-}
-  [ -n "${GF_INDEXSHARE_LAYERS:-}" ] && model=(--geometry v32 --layers "$GF_INDEXSHARE_LAYERS"
-    --server-args "--mem-fraction-static 0.45 --cuda-graph-max-bs 16")
-  "${E2E[@]}" --configs "${GF_INDEXSHARE_CONFIGS:-base,ours,sync,noio}" \
-    --workloads "${GF_INDEXSHARE_WORKLOADS:-capacity}" --index-pattern "${GF_INDEX_PATTERN:-FSSS}" \
+  # PATTERN@LAYERS (or GF_INDEXSHARE_LAYERS=N): the V3.2 geometry with that
+  # many layers instead of the kit model, sized as the 32K workloads are (16
+  # hot buffers at 72000 rows); launched at once, --parallel's fraction.
+  local pattern=${1%@*} layers=${GF_INDEXSHARE_LAYERS:-}
+  [[ $1 == *@* ]] && layers=${1#*@}
+  local model=() syn=${GF_INDEXSHARE_SYNTHETIC:-} fraction="--mem-fraction-static 0.45 "
+  [ ${#PAR[@]} -gt 0 ] && [ ${#check[@]} -gt 0 ] && fraction=""
+  [ -n "$layers" ] && model=(--geometry v32 --layers "$layers"
+    --server-args "${fraction}--cuda-graph-max-bs 16")
+  "${E2E[@]}" --port "$2" --configs "${GF_INDEXSHARE_CONFIGS:-base,ours,sync,noio}" \
+    --workloads "${GF_INDEXSHARE_WORKLOADS:-capacity}" --index-pattern "$pattern" \
     --repeats "${GF_INDEXSHARE_REPEATS:-1}" "${check[@]}" "${CPU_ARGS[@]}" "${model[@]}" \
-    ${syn:+--synthetic "$syn"} --out "$RUN/indexshare.json" --logs "$RUN/indexshare"
+    ${syn:+--synthetic "$syn"} --out "$RUN/$3.json" --logs "$RUN/$3"
+}
+
+indexshare_cmd() {
+  # GF_INDEX_PATTERN: one pattern, or several (FSSS,FSFS,glm52@12), each an
+  # e2e_gpu.py call on ports of its own; at once under GF_PARALLEL=1 with the
+  # check, else one after the other. One pattern keeps the old output names.
+  local entries i=0 rc=0 r pids=() names=()
+  IFS=, read -r -a entries <<< "${GF_INDEX_PATTERN:-FSSS}"
+  if [ ${#entries[@]} = 1 ]; then
+    indexshare_one "${entries[0]}" "$PORT" indexshare
+    return
+  fi
+  for i in "${!entries[@]}"; do
+    names+=("indexshare_${entries[$i]/@/_}")
+    if [ ${#PAR[@]} -gt 0 ] && [ "${GF_INDEXSHARE_CHECK:-1}" != 0 ]; then
+      indexshare_one "${entries[$i]}" $(( PORT + 100 * i )) "${names[$i]}" > "$RUN/${names[$i]}.out" 2>&1 &
+      pids+=($!)
+    else
+      indexshare_one "${entries[$i]}" $(( PORT + 100 * i )) "${names[$i]}" > "$RUN/${names[$i]}.out" 2>&1
+      pids+=("done:$?")
+    fi
+  done
+  for i in "${!entries[@]}"; do
+    if [[ ${pids[$i]} == done:* ]]; then r=${pids[$i]#done:}; else wait "${pids[$i]}"; r=$?; fi
+    [ "$r" = 0 ] || rc=1
+    echo "== indexshare ${entries[$i]}: rc $r"
+    grep -E '\] (sglang_hisparse from|ready in|FAILED)|^servers run on|Traceback' "$RUN/${names[$i]}.out" | cut -c1-300
+    sed -n '/^workload    config/,$p' "$RUN/${names[$i]}.out"
+  done
+  return $rc
 }
 
 pin_cmd() {
@@ -698,7 +738,7 @@ kbench_cmd() {
     case $mode in
       decode) python3 scripts/bench_kernels.py --quick --json "$RUN/kbench_decode.json" ;;
       verify) python3 scripts/bench_kernels.py --verify 2,4 --json "$RUN/kbench_verify.json" ;;
-      overlap) python3 scripts/bench_kernels.py --overlap --json "$RUN/kbench_overlap.json" ;;
+      overlap) python3 scripts/bench_kernels.py --overlap ${GF_OVERLAP_GRIDS:+"$GF_OVERLAP_GRIDS"} --json "$RUN/kbench_overlap.json" ;;
       *) echo "GF_KBENCH: unknown table $mode (decode verify overlap)"; return 2 ;;
     esac
   done
@@ -812,7 +852,7 @@ trace_cmd"
         IS_TESTS_PID=$!
         say "== indexshare-tests: started in the background (pid $IS_TESTS_PID)"
       fi
-      run_stage indexshare "$(indexshare_need_s)" 540 bash -c "$(declare -f indexshare_cmd); $(declare -p E2E PAR CPU_ARGS RUN); indexshare_cmd"
+      run_stage indexshare "$(indexshare_need_s)" 540 bash -c "$(declare -f indexshare_one indexshare_cmd); $(declare -p E2E PAR CPU_ARGS RUN PORT); indexshare_cmd"
       if [ -n "${IS_TESTS_PID:-}" ]; then
         wait "$IS_TESTS_PID"; IS_TESTS_PID=""
         show indexshare-tests

@@ -857,15 +857,17 @@ def test_kbench_runs_the_tables_gf_kbench_names(tmp_path):
     fake.write_text('#!/bin/sh\necho "$@"\n')
     fake.chmod(0o755)
 
-    def run(kbench):
+    def run(kbench, **extra):
         env = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "RUN": "/r",
-               **({"GF_KBENCH": kbench} if kbench is not None else {})}
+               **({"GF_KBENCH": kbench} if kbench is not None else {}), **extra}
         p = subprocess.run(["bash", "-c", function + "kbench_cmd"], capture_output=True, text=True, env=env)
         return p.returncode, p.stdout.strip().splitlines()
 
     assert run(None) == (0, ["scripts/bench_kernels.py --quick --json /r/kbench_decode.json",
                              "scripts/bench_kernels.py --verify 2,4 --json /r/kbench_verify.json"])
     assert run("overlap") == (0, ["scripts/bench_kernels.py --overlap --json /r/kbench_overlap.json"])
+    assert run("overlap", GF_OVERLAP_GRIDS="8x512,1024x512") == (
+        0, ["scripts/bench_kernels.py --overlap 8x512,1024x512 --json /r/kbench_overlap.json"])
     assert run("overlap bogus") == (2, ["scripts/bench_kernels.py --overlap --json /r/kbench_overlap.json",
                                         "GF_KBENCH: unknown table bogus (decode verify overlap)"])
 
@@ -891,6 +893,51 @@ def test_indexshare_waits_for_the_time_its_launches_need():
     assert need(GF_INDEXSHARE_LAYERS="8", GF_INDEXSHARE_CONFIGS="ours,sync,noio") == 330
     assert need(GF_INDEXSHARE_LAYERS="8", GF_INDEXSHARE_CONFIGS="ours,warp,sync,noio",
                 GF_INDEXSHARE_REPEATS="2") == 30 + 100 * 8
+    # at once: about two launches, whatever the configs and patterns
+    assert need(GF_PARALLEL="1") == 30 + 60 * 2
+    assert need(GF_PARALLEL="1", GF_INDEX_PATTERN="FSSS,glm52@12") == 30 + 100 * 2
+    assert need(GF_PARALLEL="1", GF_INDEXSHARE_CHECK="0", GF_INDEXSHARE_LAYERS="8") == 30 + 100 * 4
+
+
+def test_indexshare_runs_each_pattern_on_ports_of_its_own(tmp_path):
+    """gpu_stages.sh's indexshare_cmd: several GF_INDEX_PATTERN entries are
+    one e2e_gpu.py call each, 100 ports apart, with outputs of their own;
+    PATTERN@N serves the V3.2 geometry with N layers (launched at once, at
+    --parallel's memory fraction); one pattern keeps the old output names
+    and, timed one launch after the other, the 0.45 fraction."""
+    import re
+    import subprocess
+
+    text = (SCRIPTS / "gpu_stages.sh").read_text()
+    functions = "".join(re.search(rf"^{name}\(\) \{{.*?^\}}\n", text, re.M | re.S).group(0)
+                        for name in ("indexshare_one", "indexshare_cmd"))
+    fake = tmp_path / "python3"
+    fake.write_text('#!/bin/sh\necho "$@"\n')
+    fake.chmod(0o755)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+
+    def run(parallel, **env):
+        prelude = (f"E2E=(python3 scripts/e2e_gpu.py --port 30010); PORT=30010; RUN={run_dir}; "
+                   f"CPU_ARGS=(--cpu-probe); PAR=({'--parallel' if parallel else ''}); ")
+        p = subprocess.run(["bash", "-c", functions + prelude + "indexshare_cmd"], capture_output=True,
+                           text=True, env={"PATH": f"{tmp_path}:{os.environ['PATH']}", **env})
+        return p.returncode, p.stdout
+
+    rc, out = run(True, GF_PARALLEL="1", GF_INDEX_PATTERN="FSSS,glm52@12")
+    assert rc == 0 and "== indexshare FSSS: rc 0" in out and "== indexshare glm52@12: rc 0" in out
+    kit = (run_dir / "indexshare_FSSS.out").read_text()
+    deep = (run_dir / "indexshare_glm52_12.out").read_text()
+    assert "--port 30010 --configs base,ours,sync,noio" in kit and "--index-pattern FSSS" in kit
+    assert "--geometry" not in kit and f"--out {run_dir}/indexshare_FSSS.json" in kit
+    assert "--port 30110 " in deep and "--index-pattern glm52" in deep and "--check --warmup 0 --parallel" in deep
+    assert "--geometry v32 --layers 12 --server-args --cuda-graph-max-bs 16" in deep
+    assert f"--out {run_dir}/indexshare_glm52_12.json" in deep
+
+    rc, out = run(False, GF_INDEXSHARE_CHECK="0", GF_INDEXSHARE_LAYERS="8", GF_INDEX_PATTERN="glm52")
+    assert rc == 0
+    assert "--server-args --mem-fraction-static 0.45 --cuda-graph-max-bs 16" in out
+    assert f"--out {run_dir}/indexshare.json" in out and "--check" not in out
 
 
 def test_a_server_whose_log_stops_is_reported_stalled_not_waited_for(tmp_path):
