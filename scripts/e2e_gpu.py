@@ -193,10 +193,16 @@ HS_CONFIG = {"top_k": 2048, "device_buffer_size": 4096, "host_to_device_ratio": 
 # for all its tokens, so under --max-total-tokens 40000 (SWA 3840) the
 # default chunk (8192 tokens on the H200) can never be scheduled: base V4 queued the
 # capacity workload's 16 prompts and prefilled none for 6 min (2026-12-04-s2).
+# --swa-full-tokens-ratio 0.5: nor does 0.5.13 free a prompt's SWA slots
+# between its chunks, so a whole prompt must fit the SWA pool; at 0.1 x 40000
+# both servers stopped after 3584 tokens of the first 16000-token capacity
+# prompt (2026-12-04-s4). 0.5 fits every workload's longest prompt (capacity
+# 16000 of 20000, drain 9000 of 15000); SGLang keeps a ratio the command sets.
 ARCH_FLAGS = {
     "dsa": ["--kv-cache-dtype", "bfloat16", "--dsa-prefill-backend", "flashmla_sparse",
             "--dsa-decode-backend", "flashmla_sparse"],
-    "dsv4": ["--kv-cache-dtype", "fp8_e4m3", "--chunked-prefill-size", "2048"],
+    "dsv4": ["--kv-cache-dtype", "fp8_e4m3", "--chunked-prefill-size", "2048",
+             "--swa-full-tokens-ratio", "0.5"],
 }
 ARCH_ENV = {"dsa": {}, "dsv4": {"SGLANG_OPT_FP8_WO_A_GEMM": "0"}}
 ARCH_HS_CONFIG = {"dsa": HS_CONFIG,

@@ -126,6 +126,7 @@ def checked(stage_cases):
 
 def test_e2e_commands_for_the_tiny_dsv4_pass_the_argument_check(stage_cases, checked):
     assert checked["activation"] == {"applied": True, "error": None}
+    e2e_workloads = _e2e().WORKLOADS
     for name in stage_cases:
         result = checked["results"][name]
         assert result["ok"], (name, result.get("error"), shlex.join(stage_cases[name]["argv"]))
@@ -137,8 +138,15 @@ def test_e2e_commands_for_the_tiny_dsv4_pass_the_argument_check(stage_cases, che
         # (2026-12-04-s2: base V4 at --max-total-tokens 40000 hung).
         f = result["fields"]
         if f["max_total_tokens"]:
-            assert f["chunked_prefill_size"] <= f["swa_full_tokens_ratio"] * f["max_total_tokens"], \
-                (name, f)
+            swa_pool = f["swa_full_tokens_ratio"] * f["max_total_tokens"]
+            assert f["chunked_prefill_size"] <= swa_pool, (name, f)
+            # Nor are a prompt's SWA slots freed between its chunks: the whole
+            # prompt must fit (2026-12-04-s4: both servers stopped 3584 tokens
+            # into a 16000-token capacity prompt at 0.1 x 40000).
+            workload = name.split("_", 1)[1]
+            if workload in e2e_workloads:
+                longest = max(n for group in e2e_workloads[workload][0] for n in group)
+                assert longest <= swa_pool, (name, longest, swa_pool)
     for w in STAGE_WORKLOADS:
         sparse = checked["results"][f"ours_{w}"]["sparse_config"]
         assert (sparse["top_k"], sparse["device_buffer_size"], sparse["host_to_device_ratio"]) \
