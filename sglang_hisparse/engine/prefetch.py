@@ -74,7 +74,11 @@ class ReplayGrid:
     kernels' blocks instead of displacing them; measured, they hide less
     than 8 blocks of 512: one per SM 23% (13% misses) and 21% (50%), two per
     SM 18% and 0%, against 37% and 60% for 8 x 512 in the same run
-    (docs/gpu-runs/2026-12-03-s5/, 2026-12-04/)."""
+    (docs/gpu-runs/2026-12-03-s5/, 2026-12-04/). Where the step is bound by
+    the GPU (20 V3.2 layers, FSSS x 5, calibrated top-k) the default grid
+    closed 0.33-0.35 of the step gap between synchronous swap-ins and no
+    host IO (2026-12-04-s4); 1024 blocks of 512, most of them exiting at
+    once, hid nothing beside the stand-in."""
 
     blocks: Optional[int] = None
     threads: int = 512
