@@ -395,10 +395,15 @@ def server_cmd(model: str, port: int, config: str, extra: list[str],
     if config == "nores":
         env["SGLANG_HISPARSE_RESIDENCY"] = "0"
     if config == "stock":
-        # SGLang's own whitelist: every plugin but ours (test weights stay).
-        from importlib.metadata import entry_points
+        # SGLang's own whitelist: every plugin but ours (test weights stay),
+        # the diagnostic ones this command puts on the server's PYTHONPATH too.
+        from importlib.metadata import distributions, entry_points
 
-        others = {ep.name for ep in entry_points(group="sglang.srt.plugins")} - {"sglang_hisparse"}
+        paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        names = {ep.name for ep in entry_points(group="sglang.srt.plugins")}
+        names |= {ep.name for dist in distributions(path=paths) for ep in dist.entry_points
+                  if ep.group == "sglang.srt.plugins"}
+        others = names - {"sglang_hisparse"}
         env["SGLANG_PLUGINS"] = ",".join(sorted(others)) or "__none__"
     return args, env
 

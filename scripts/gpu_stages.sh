@@ -157,7 +157,14 @@
 #             capacity (decode-only tok/s, HiSparse / plain at 72000 tokens).
 #             Parts that no longer fit the stage's time are skipped and say
 #             so. ~2 min of launches, then ~5 min warm; run it as
-#             `pd jit` in a command of its own.
+#             `pd jit` in a command of its own. GF_PD_PARTS=v4draft (#19
+#             item 4, not run yet): DeepSeek-V4 + EAGLE on both sides,
+#             our pair and a stock pair (0.5.13's registration alone), each
+#             side probed by scripts/draftprobe: the decode's draft SWA window
+#             must equal the prefill's in ours and differ in stock. Needs
+#             the V4 tarball unpacked first (the dsv4 stage's first call)
+#             and Mooncake: three carries (dsv4 + mooncake + JIT cache, then
+#             the kit).
 #   indexshare  IndexShare prefetch (#20): its GPU tests
 #             (tests/test_index_share_gpu.py and the copy-only kernel's
 #             replay test) in the background while e2e_gpu.py serves the kit
@@ -769,6 +776,10 @@ dsv4_cmd() {
 pd_cmd() {  # the stage's limit in $1 (s): pd_gpu.py keeps ~40 s of it for stopping
   source scripts/mooncake_env.sh .bundle/mooncake.tar.xz || return 1  # explicit: a sourced file sees the function's $1
   echo "mooncake_env: $(python3 -c 'import mooncake.engine as m; print(m.__file__)')"
+  # part v4draft serves DeepSeek-V4: tilelang and libz3 from the V4 tarball
+  if [[ ,${GF_PD_PARTS:-}, == *,v4draft,* ]]; then
+    source scripts/dsv4_env.sh .bundle/dsv4.tar.xz || return 1
+  fi
   python3 scripts/pd_gpu.py --parts "${GF_PD_PARTS:-exact,retract,faults,capacity}" \
     --budget-s $(( $1 - 40 )) --out "$RUN/pd.json" --logs "$RUN/pd"
 }

@@ -73,6 +73,15 @@ covers its estimate, and the JSON is rewritten after each):
            --max-total-tokens 72000: pd-base holds two): decode-only tok/s
            from each decode server's log (e2e's decode-only figure), ratio
            (target >= 3x)
+  v4draft  (not in the default; issue #19 item 4) DeepSeek-V4 (``--v4-model``,
+           tests/data/tiny-dsv4) with linear EAGLE on both sides: a pair with
+           our plugin (the draft's SWA state registered for the transfer), a
+           stock pair (every plugin but ours: 0.5.13 leaves it out) on its own
+           bootstrap port, and a colocated V4 + EAGLE reference, on ``smoke``.
+           scripts/draftprobe records each side's digest of the request's draft
+           SWA window: equal for every request in ours, different for every
+           one in stock; ours' outputs identical to the reference below
+           index_topk
 
     source .gpu/device_env.sh
     SGLANG_HOST_IP=127.0.0.1 python3 scripts/pd_gpu.py --out $OUT/pd.json --logs $OUT/pd
@@ -128,6 +137,16 @@ LONG_FLAGS = ["--max-total-tokens", "72000", "--context-length", "40960"]
 # Room for capacity's 16 x (16000 + 128) tokens at once, without HiSparse.
 WIDE_FLAGS = ["--max-total-tokens", "300000"]
 HS_TIGHT = {"top_k": INDEX_TOPK, "device_buffer_size": 2048, "host_to_device_ratio": 1}
+
+# Part v4draft (issue #19 item 4): DeepSeek-V4 with linear EAGLE on both PD
+# sides, and scripts/draftprobe (a diagnostic plugin) recording the draft SWA
+# window's digest as each side holds it. The stock pair (config stock: every
+# plugin but ours, so 0.5.13's registration alone) has its own bootstrap port.
+V4_MODEL = Path(__file__).resolve().parent.parent / "tests" / "data" / "tiny-dsv4"
+V4_MTP = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "1",
+          "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2"]
+V4_STOCK_BOOTSTRAP_PORT = BOOTSTRAP_PORT + 1
+DRAFTPROBE_DIR = Path(__file__).resolve().parent / "draftprobe"
 
 
 # --- router ------------------------------------------------------------------
@@ -460,7 +479,7 @@ def run(node_url: str, workload: str, **kw) -> dict:
 
 # --- parts -------------------------------------------------------------------
 
-ESTIMATE_S = {"exact": 160, "retract": 60, "faults": 120, "capacity": 90}
+ESTIMATE_S = {"exact": 160, "retract": 60, "faults": 120, "capacity": 90, "v4draft": 90}
 EXACT_WORKLOADS = ("smoke", "concurrent", "capacity")
 
 
@@ -694,9 +713,80 @@ def part_capacity(nodes, results, args):
     return verdict
 
 
-def prefill_flags(args):
+def draftprobe_records(directory: Path) -> list[dict]:
+    """Every line scripts/draftprobe wrote under ``directory`` (both sides' processes)."""
+    return [json.loads(line) for f in sorted(Path(directory).glob("draftprobe_*.jsonl"))
+            for line in f.read_text().splitlines() if line.strip()]
+
+
+def draft_windows(records: list[dict]) -> dict:
+    """Per request (bootstrap room): whether the decode's digest equals the
+    prefill's; rooms that lack either side are counted apart."""
+    rooms: dict = {}
+    for r in records:
+        rooms.setdefault(r["room"], {})[r["side"]] = r["sha256"]
+    both = {room: v for room, v in rooms.items() if {"prefill", "decode"} <= set(v)}
+    same = sum(v["prefill"] == v["decode"] for v in both.values())
+    return {"requests": len(both), "equal": same, "differ": len(both) - same,
+            "one_side_only": len(rooms) - len(both)}
+
+
+def part_v4draft(nodes, results, args):
+    """DeepSeek-V4 + EAGLE on both PD sides: with our registration the
+    decode's draft SWA window equals the prefill's for every request, in the
+    stock pair (0.5.13 alone) it differs for every one, and the registered
+    pair's outputs match a colocated V4 + EAGLE server (every token below
+    index_topk; logprobs within --tol above it, reported)."""
+    colo = nodes["v4-colo"]
+    ref = run(colo.url, "smoke")
+    colo.stop()
+    verdict = {}
+    for pair, (dec, pre, port) in {
+            "registered": ("v4-decode", "v4-prefill", BOOTSTRAP_PORT),
+            "stock": ("v4-decode-stock", "v4-prefill-stock", V4_STOCK_BOOTSTRAP_PORT)}.items():
+        router = Router(free_port(32400), nodes[dec].url, nodes[pre].url, bootstrap_port=port)
+        try:
+            got = run(router.url, "smoke")
+        finally:
+            router.close()
+        time.sleep(1.0)  # the last decode record is written as its request leaves the queue
+        results[f"v4draft-{pair}"] = got
+        verdict[pair] = {"errors": len(got["errors"]), "exactness": exactness(ref, got, args),
+                         "draft_window": draft_windows(draftprobe_records(Path(args.logs) / f"draftprobe-{pair}")),
+                         "decode_log": decode_facts(nodes[dec].text())}
+        nodes[dec].stop()
+        nodes[pre].stop()
+    reg, stock = verdict["registered"], verdict["stock"]
+    verdict["ok"] = (reg["errors"] == 0 and stock["errors"] == 0
+                     and reg["draft_window"]["requests"] == len(ref["requests"]) > 0
+                     and reg["draft_window"]["differ"] == 0
+                     and stock["draft_window"]["requests"] > 0 and stock["draft_window"]["equal"] == 0
+                     and reg["exactness"]["below_topk_identical"] is True)
+    return verdict
+
+
+def v4draft_specs(args) -> dict:
+    """The five servers of part v4draft: name -> (config, flags, env)."""
+    env = {}
+
+    def probe(pair):
+        path = os.pathsep.join([str(DRAFTPROBE_DIR)] + ([os.environ["PYTHONPATH"]]
+                                                        if os.environ.get("PYTHONPATH") else []))
+        return {"DRAFTPROBE_OUT": str(Path(args.logs) / f"draftprobe-{pair}"), "PYTHONPATH": path}
+
+    env["registered"], env["stock"] = probe("registered"), probe("stock")
+    return {
+        "v4-prefill": ("base", V4_MTP + prefill_flags(args), env["registered"]),
+        "v4-decode": ("base", V4_MTP + SHORT_FLAGS + decode_flags(args), env["registered"]),
+        "v4-colo": ("base", V4_MTP + SHORT_FLAGS, {}),
+        "v4-prefill-stock": ("stock", V4_MTP + prefill_flags(args, V4_STOCK_BOOTSTRAP_PORT), env["stock"]),
+        "v4-decode-stock": ("stock", V4_MTP + SHORT_FLAGS + decode_flags(args), env["stock"]),
+    }
+
+
+def prefill_flags(args, bootstrap_port=BOOTSTRAP_PORT):
     return ["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend",
-            args.backend, "--disaggregation-bootstrap-port", str(BOOTSTRAP_PORT),
+            args.backend, "--disaggregation-bootstrap-port", str(bootstrap_port),
             "--max-total-tokens", "131072", "--context-length", "40960"]
 
 
@@ -745,13 +835,18 @@ def plan_nodes(args) -> dict:
                            env={**PD_ENV, **env}, server_args=sa)
         if name == "prefill":
             time.sleep(args.stagger_s)  # its pools first: they are the largest
+    if "v4draft" in args.parts:
+        for name, (cfg, flags, env) in v4draft_specs(args).items():
+            nodes[name] = Node(name, cfg, flags, L, args.v4_model, env={**PD_ENV, **env}, server_args=sa)
     return nodes
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=os.environ.get("TINY_DSV32", ".gpu/tiny-dsv32"))
-    ap.add_argument("--parts", default="exact,retract,faults,capacity")
+    ap.add_argument("--parts", default="exact,retract,faults,capacity",
+                    help=f"any of {', '.join(ESTIMATE_S)} (v4draft: DeepSeek-V4 + EAGLE, not in the default)")
+    ap.add_argument("--v4-model", default=str(V4_MODEL), help="part v4draft's DeepSeek-V4 model")
     ap.add_argument("--backend", default="mooncake_tcp",
                     help="--disaggregation-transfer-backend of prefill and decode")
     ap.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
@@ -792,7 +887,8 @@ def main() -> int:
             return 1
         # faults last: it kills the prefill (and starts another).
         for part, fn in (("exact", part_exact), ("retract", part_retract),
-                         ("capacity", part_capacity), ("faults", part_faults)):
+                         ("capacity", part_capacity), ("v4draft", part_v4draft),
+                         ("faults", part_faults)):
             if part not in args.parts:
                 continue
             left = args.budget_s - (time.time() - t0)
@@ -825,7 +921,8 @@ def main() -> int:
 
 PART_NODES = {"exact": ("colo-base", "pd-ours", "pd-wide", "pd-fake"),
               "retract": ("colo-base", "pd-retract", "pd-press"),
-              "faults": ("pd-fault",), "capacity": ("pd-base", "pd-cap")}
+              "faults": ("pd-fault",), "capacity": ("pd-base", "pd-cap"),
+              "v4draft": ("v4-colo", "v4-prefill", "v4-decode", "v4-prefill-stock", "v4-decode-stock")}
 
 
 def print_summary(report: dict) -> None:
@@ -853,6 +950,14 @@ def print_summary(report: dict) -> None:
             f = v["pd-fake"]
             print(f"   pd-fake identical requests {f['identical_requests']} -> "
                   f"{'diverged' if f['diverged'] else 'DID NOT DIVERGE'}")
+        if part == "v4draft" and "registered" in v:
+            for pair in ("registered", "stock"):
+                x, ex = v[pair], v[pair]["exactness"]
+                w = x["draft_window"]
+                print(f"   {pair}: draft SWA window equal {w['equal']}/{w['requests']} requests "
+                      f"(one side only: {w['one_side_only']}), {x['errors']} errors; vs colocated: "
+                      f"{ex['checked_steps']} steps, {ex['violations']} over tol, max "
+                      f"{ex['max_abs_dlogprob']:.4f}, below index_topk identical {ex['below_topk_identical']}")
         if part == "retract":
             for name in ("pd-retract", "pd-press"):
                 x = v.get(name)

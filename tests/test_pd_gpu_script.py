@@ -177,7 +177,7 @@ def test_each_pd_configuration_gets_its_flags(monkeypatch, tmp_path):
     monkeypatch.setattr(pd, "_NODES", [])
     args = type("A", (), {"model": "m", "logs": str(tmp_path), "backend": "mooncake_tcp",
                           "check": True, "retract_interval": 50, "server_args": "",
-                          "stagger_s": 0, "parts": set(pd.ESTIMATE_S)})()
+                          "stagger_s": 0, "parts": set(pd.ESTIMATE_S) - {"v4draft"}})()
     nodes = pd.plan_nodes(args)
     assert list(nodes)[0] == "prefill" and len(nodes) == 10
     by = {n: made[i] for i, n in enumerate(nodes)}
@@ -198,6 +198,62 @@ def test_each_pd_configuration_gets_its_flags(monkeypatch, tmp_path):
     assert by["pd-press"][2]["hs_config"]["host_to_device_ratio"] == 1
     assert all(by[n][3]["SGLANG_HOST_IP"] == "127.0.0.1" for n in nodes)
     assert "colo-base" in nodes and "--disaggregation-mode" not in flags("colo-base")
+
+
+def test_v4draft_runs_a_probed_pair_with_and_without_our_registration(monkeypatch, tmp_path):
+    """Part v4draft: five DeepSeek-V4 + EAGLE servers, the registered pair
+    (base: our plugin loaded) and the stock pair (every plugin but ours) on
+    bootstrap ports of their own, each side probed into its pair's folder,
+    and the colocated reference without PD or probe."""
+    made = []
+
+    class Srv:
+        def __init__(self, model, port, config, extra, log, **opts):
+            made.append((model, config, extra, dict(pd.os.environ)))
+            self.url = f"http://127.0.0.1:{port}"
+
+    monkeypatch.setattr(pd.e2e, "Server", Srv)
+    monkeypatch.setattr(pd, "_NODES", [])
+    args = type("A", (), {"model": "m", "v4_model": "v4", "logs": str(tmp_path), "backend": "mooncake_tcp",
+                          "check": True, "retract_interval": 50, "server_args": "", "stagger_s": 0,
+                          "parts": {"v4draft"}})()
+    nodes = pd.plan_nodes(args)
+    assert list(nodes) == list(pd.PART_NODES["v4draft"][1:3]) + ["v4-colo", "v4-prefill-stock",
+                                                                 "v4-decode-stock"]
+    by = {n: made[i] for i, n in enumerate(nodes)}
+    flags = lambda n: " ".join(by[n][2])  # noqa: E731
+    assert all(by[n][0] == "v4" and "--speculative-algorithm EAGLE" in flags(n)
+               and "--speculative-eagle-topk 1" in flags(n) for n in nodes)
+    assert by["v4-prefill"][1] == by["v4-decode"][1] == by["v4-colo"][1] == "base"
+    assert by["v4-prefill-stock"][1] == by["v4-decode-stock"][1] == "stock"
+    assert "--disaggregation-bootstrap-port 8998" in flags("v4-prefill")
+    assert "--disaggregation-bootstrap-port 8999" in flags("v4-prefill-stock")
+    for pair, names in (("registered", ("v4-prefill", "v4-decode")),
+                        ("stock", ("v4-prefill-stock", "v4-decode-stock"))):
+        for n in names:
+            assert by[n][3]["DRAFTPROBE_OUT"] == str(tmp_path / f"draftprobe-{pair}")
+            assert by[n][3]["PYTHONPATH"].split(pd.os.pathsep)[0] == str(pd.DRAFTPROBE_DIR)
+    assert "DRAFTPROBE_OUT" not in by["v4-colo"][3] and "--disaggregation-mode" not in flags("v4-colo")
+    assert "DRAFTPROBE_OUT" not in pd.os.environ  # set only around each launch
+
+
+def test_draft_windows_pair_the_sides_by_room(tmp_path):
+    lines = [{"side": "prefill", "room": 1, "sha256": "a"}, {"side": "decode", "room": 1, "sha256": "a"},
+             {"side": "prefill", "room": 2, "sha256": "b"}, {"side": "decode", "room": 2, "sha256": "c"},
+             {"side": "prefill", "room": 3, "sha256": "d"}]
+    (tmp_path / "draftprobe_1.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines[::2]))
+    (tmp_path / "draftprobe_2.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines[1::2]))
+    assert pd.draft_windows(pd.draftprobe_records(tmp_path)) == {
+        "requests": 2, "equal": 1, "differ": 1, "one_side_only": 1}
+
+
+def test_stock_keeps_the_diagnostic_plugins_on_the_servers_path(monkeypatch):
+    """Config stock whitelists every plugin but ours, including one that only
+    the server's PYTHONPATH holds (scripts/draftprobe)."""
+    monkeypatch.setenv("PYTHONPATH", str(pd.DRAFTPROBE_DIR))
+    _, env = pd.e2e.server_cmd("tests/data/tiny-dsv32", 30010, "stock", [])
+    plugins = env["SGLANG_PLUGINS"].split(",")
+    assert "hisparse_draftprobe" in plugins and "sglang_hisparse" not in plugins
 
 
 # 0.5.13's start-up lines without openai_harmony (every server of the third GPU session)
