@@ -165,16 +165,24 @@ def test_decode_facts_read_how_the_server_started_from_the_whole_log():
     assert not rdma["tcp_transport"] and rdma["chunk_cache_forced"]
 
 
-def test_each_pd_configuration_gets_its_flags(monkeypatch, tmp_path):
+@pytest.fixture
+def launches(monkeypatch):
+    """e2e.Server stood in: per launch (config, flags, options, the
+    environment it saw, model), in launch order."""
     made = []
 
     class Srv:
         def __init__(self, model, port, config, extra, log, **opts):
-            made.append((config, extra, opts, dict(pd.os.environ)))
+            made.append((config, extra, opts, dict(pd.os.environ), model))
             self.url = f"http://127.0.0.1:{port}"
 
     monkeypatch.setattr(pd.e2e, "Server", Srv)
     monkeypatch.setattr(pd, "_NODES", [])
+    return made
+
+
+def test_each_pd_configuration_gets_its_flags(launches, tmp_path):
+    made = launches
     args = type("A", (), {"model": "m", "logs": str(tmp_path), "backend": "mooncake_tcp",
                           "check": True, "retract_interval": 50, "server_args": "",
                           "stagger_s": 0, "parts": set(pd.ESTIMATE_S) - {"v4draft"}})()
@@ -200,32 +208,23 @@ def test_each_pd_configuration_gets_its_flags(monkeypatch, tmp_path):
     assert "colo-base" in nodes and "--disaggregation-mode" not in flags("colo-base")
 
 
-def test_v4draft_runs_a_probed_pair_with_and_without_our_registration(monkeypatch, tmp_path):
+def test_v4draft_runs_a_probed_pair_with_and_without_our_registration(launches, tmp_path):
     """Part v4draft: five DeepSeek-V4 + EAGLE servers, the registered pair
     (base: our plugin loaded) and the stock pair (every plugin but ours) on
     bootstrap ports of their own, each side probed into its pair's folder,
     and the colocated reference without PD or probe."""
-    made = []
-
-    class Srv:
-        def __init__(self, model, port, config, extra, log, **opts):
-            made.append((model, config, extra, dict(pd.os.environ)))
-            self.url = f"http://127.0.0.1:{port}"
-
-    monkeypatch.setattr(pd.e2e, "Server", Srv)
-    monkeypatch.setattr(pd, "_NODES", [])
     args = type("A", (), {"model": "m", "v4_model": "v4", "logs": str(tmp_path), "backend": "mooncake_tcp",
                           "check": True, "retract_interval": 50, "server_args": "", "stagger_s": 0,
                           "parts": {"v4draft"}})()
     nodes = pd.plan_nodes(args)
     assert list(nodes) == list(pd.PART_NODES["v4draft"][1:3]) + ["v4-colo", "v4-prefill-stock",
                                                                  "v4-decode-stock"]
-    by = {n: made[i] for i, n in enumerate(nodes)}
-    flags = lambda n: " ".join(by[n][2])  # noqa: E731
-    assert all(by[n][0] == "v4" and "--speculative-algorithm EAGLE" in flags(n)
+    by = {n: launches[i] for i, n in enumerate(nodes)}
+    flags = lambda n: " ".join(by[n][1])  # noqa: E731
+    assert all(by[n][4] == "v4" and "--speculative-algorithm EAGLE" in flags(n)
                and "--speculative-eagle-topk 1" in flags(n) for n in nodes)
-    assert by["v4-prefill"][1] == by["v4-decode"][1] == by["v4-colo"][1] == "base"
-    assert by["v4-prefill-stock"][1] == by["v4-decode-stock"][1] == "stock"
+    assert by["v4-prefill"][0] == by["v4-decode"][0] == by["v4-colo"][0] == "base"
+    assert by["v4-prefill-stock"][0] == by["v4-decode-stock"][0] == "stock"
     assert "--disaggregation-bootstrap-port 8998" in flags("v4-prefill")
     assert "--disaggregation-bootstrap-port 8999" in flags("v4-prefill-stock")
     for pair, names in (("registered", ("v4-prefill", "v4-decode")),
