@@ -163,8 +163,8 @@
 #             side probed by scripts/draftprobe: the decode's draft SWA window
 #             must equal the prefill's in ours and differ in stock. Needs
 #             the V4 tarball unpacked first (the dsv4 stage's first call)
-#             and Mooncake: three carries (dsv4 + mooncake + JIT cache, then
-#             the kit).
+#             and Mooncake: two calls on one warm machine (the V4 tarball,
+#             Mooncake's and the JIT cache; then the kit).
 #   indexshare  IndexShare prefetch (#20): its GPU tests
 #             (tests/test_index_share_gpu.py and the copy-only kernel's
 #             replay test) in the background while e2e_gpu.py serves the kit
