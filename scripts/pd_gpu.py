@@ -767,20 +767,18 @@ def part_v4draft(nodes, results, args):
 
 def v4draft_specs(args) -> dict:
     """The five servers of part v4draft: name -> (config, flags, env)."""
-    env = {}
-
     def probe(pair):
         path = os.pathsep.join([str(DRAFTPROBE_DIR)] + ([os.environ["PYTHONPATH"]]
                                                         if os.environ.get("PYTHONPATH") else []))
         return {"DRAFTPROBE_OUT": str(Path(args.logs) / f"draftprobe-{pair}"), "PYTHONPATH": path}
 
-    env["registered"], env["stock"] = probe("registered"), probe("stock")
+    ours, stock = probe("registered"), probe("stock")
     return {
-        "v4-prefill": ("base", V4_MTP + prefill_flags(args), env["registered"]),
-        "v4-decode": ("base", V4_MTP + SHORT_FLAGS + decode_flags(args), env["registered"]),
+        "v4-prefill": ("base", V4_MTP + prefill_flags(args), ours),
+        "v4-decode": ("base", V4_MTP + SHORT_FLAGS + decode_flags(args), ours),
         "v4-colo": ("base", V4_MTP + SHORT_FLAGS, {}),
-        "v4-prefill-stock": ("stock", V4_MTP + prefill_flags(args, V4_STOCK_BOOTSTRAP_PORT), env["stock"]),
-        "v4-decode-stock": ("stock", V4_MTP + SHORT_FLAGS + decode_flags(args), env["stock"]),
+        "v4-prefill-stock": ("stock", V4_MTP + prefill_flags(args, V4_STOCK_BOOTSTRAP_PORT), stock),
+        "v4-decode-stock": ("stock", V4_MTP + SHORT_FLAGS + decode_flags(args), stock),
     }
 
 

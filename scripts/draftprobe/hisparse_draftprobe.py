@@ -150,11 +150,3 @@ def register() -> None:
     SchedulerDisaggregationPrefillMixin.send_kv_chunk = probed_send_kv_chunk
     DecodeTransferQueue.pop_transferred = probed_pop_transferred
 
-
-def pair(records) -> dict:
-    """{room: {"prefill": sha, "decode": sha}} from every line of a run
-    (the prefill's and the decode's files together)."""
-    rooms: dict = {}
-    for record in records:
-        rooms.setdefault(record["room"], {})[record["side"]] = record["sha256"]
-    return rooms
