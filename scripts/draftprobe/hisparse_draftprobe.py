@@ -53,7 +53,10 @@ def window_rows(req_to_token_row, seq_len: int, window_size: int, page_size: int
 
     start = max(0, seq_len - window_size) // page_size * page_size
     full = req_to_token_row[start:seq_len]
-    return kv_to_page_indices(translate(full).cpu().numpy(), page_size)
+    # 0.5.13's kv_to_page_indices is given a NumPy array, 0.5.17's a tensor
+    # (it converts): a tensor works in both, and the result is made NumPy here.
+    pages = kv_to_page_indices(translate(full), page_size)
+    return pages.cpu().numpy() if hasattr(pages, "cpu") else pages
 
 
 def draft_swa_digest(draft_pool, rows) -> str:
