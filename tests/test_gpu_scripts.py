@@ -17,6 +17,23 @@ import pytest
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
+def stage_functions(*names: str) -> str:
+    """The bash text of gpu_stages.sh's functions ``names``, to run on their own."""
+    import re
+
+    text = (SCRIPTS / "gpu_stages.sh").read_text()
+    return "".join(re.search(rf"^{name}\(\) \{{.*?^\}}\n", text, re.M | re.S).group(0) for name in names)
+
+
+def echoing_python3(directory: Path) -> Path:
+    """A ``python3`` in ``directory`` that prints its arguments instead of
+    running anything (put ``directory`` first on PATH)."""
+    fake = directory / "python3"
+    fake.write_text('#!/bin/sh\necho "$@"\n')
+    fake.chmod(0o755)
+    return fake
+
+
 def _load(name, path):
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
@@ -828,11 +845,9 @@ def test_use_site_points_both_paths_at_one_pin(before):
     """gpu_stages.sh's use_site: a command on another pin (GF_SGLANG) and each
     pin of the pin stage (GF_PIN_SGLANG) swap the site on the Python path and
     the library path, whichever pin's site was there, and nothing else."""
-    import re
     import subprocess
 
-    text = (SCRIPTS / "gpu_stages.sh").read_text()
-    function = re.search(r"^use_site\(\) \{\n.*?^\}\n", text, re.M | re.S).group(0)
+    function = stage_functions("use_site")
     # The site first (device_env.sh's order) or after our package (the pin stage's).
     for site, ahead in [(s, a) for s in ("/tmp/site-0.5.17", "/tmp/site") for a in ("", "/tmp/proj:")]:
         env = {"PATH": os.environ["PATH"],
@@ -847,15 +862,10 @@ def test_kbench_runs_the_tables_gf_kbench_names(tmp_path):
     """gpu_stages.sh's kbench_cmd: decode and verify by default, only the
     named tables with GF_KBENCH (overlap: the prefetch replay beside
     compute), and an unknown name is refused naming the ones it knows."""
-    import re
     import subprocess
 
-    text = (SCRIPTS / "gpu_stages.sh").read_text()
-    function = re.search(r"^kbench_cmd\(\) \{\n.*?^\}\n", text, re.M | re.S).group(0)
-    # python3 echoes its arguments instead of timing anything
-    fake = tmp_path / "python3"
-    fake.write_text('#!/bin/sh\necho "$@"\n')
-    fake.chmod(0o755)
+    function = stage_functions("kbench_cmd")
+    echoing_python3(tmp_path)  # instead of timing anything
 
     def run(kbench, **extra):
         env = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "RUN": "/r",
@@ -877,12 +887,10 @@ def test_indexshare_waits_for_the_time_its_launches_need():
     per launch on the V3.2 geometry (~60 s on the kit model), times rounds;
     2026-12-03-s5's run 3 started three V3.2 launches with 215 s and timed
     out after the first."""
-    import re
     import subprocess
 
-    text = (SCRIPTS / "gpu_stages.sh").read_text()
-    function = re.search(r"^indexshare_need_s\(\) \{\n.*?^\}\n", text, re.M | re.S).group(0)
-    assert 'run_stage indexshare "$(indexshare_need_s)"' in text
+    function = stage_functions("indexshare_need_s")
+    assert 'run_stage indexshare "$(indexshare_need_s)"' in (SCRIPTS / "gpu_stages.sh").read_text()
 
     def need(**env):
         out = subprocess.run(["bash", "-c", function + "indexshare_need_s"], capture_output=True,
@@ -905,15 +913,10 @@ def test_indexshare_runs_each_pattern_on_ports_of_its_own(tmp_path):
     PATTERN@N serves the V3.2 geometry with N layers (launched at once, at
     --parallel's memory fraction); one pattern keeps the old output names
     and, timed one launch after the other, the 0.45 fraction."""
-    import re
     import subprocess
 
-    text = (SCRIPTS / "gpu_stages.sh").read_text()
-    functions = "".join(re.search(rf"^{name}\(\) \{{.*?^\}}\n", text, re.M | re.S).group(0)
-                        for name in ("indexshare_one", "indexshare_cmd"))
-    fake = tmp_path / "python3"
-    fake.write_text('#!/bin/sh\necho "$@"\n')
-    fake.chmod(0o755)
+    functions = stage_functions("indexshare_one", "indexshare_cmd")
+    echoing_python3(tmp_path)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
 
