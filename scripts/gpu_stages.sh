@@ -608,8 +608,25 @@ MTPPROOF_CALLS=(
   "d314||3,1,4|8192|ours|drain"
 )
 
+wait_calls() {
+  # Several e2e_gpu.py calls of one stage, each given as PID|OUTPUT|TITLE
+  # (PID done:RC for a call that already ran; the title last, as it may
+  # hold |): wait for each, then print its exit status, its launch lines and
+  # its tables; 1 if any call failed.
+  local call pid title out r rc=0
+  for call in "$@"; do
+    IFS='|' read -r pid out title <<< "$call"
+    if [[ $pid == done:* ]]; then r=${pid#done:}; else wait "$pid"; r=$?; fi
+    [ "$r" = 0 ] || rc=1
+    echo "== $title: rc $r"
+    grep -E '\] (ready in|FAILED)|^servers run on|Traceback' "$out" | cut -c1-300
+    sed -n '/^workload    config/,$p' "$out"
+  done
+  return $rc
+}
+
 mtpproof_cmd() {  # the calls at once, each on ports of its own (see the header)
-  local spec name envs mtp hot configs w i=0 r rc=0 pids=() specs=() extra
+  local spec name envs mtp hot configs w i=0 calls=() extra
   local want=",${GF_MTPPROOF:-a112,d112,a314,s2,s3,d314},"
   for spec in "${MTPPROOF_CALLS[@]}"; do
     IFS='|' read -r name envs mtp hot configs w <<< "$spec"
@@ -622,17 +639,9 @@ mtpproof_cmd() {  # the calls at once, each on ports of its own (see the header)
       --hisparse-config "{\"top_k\": 2048, \"device_buffer_size\": $hot, \"host_to_device_ratio\": 2}" \
       --configs "$configs" --workloads "$w" --check --warmup 0 "${extra[@]}" \
       --out "$RUN/mtpproof_$name.json" --logs "$RUN/mtpproof_$name" > "$RUN/mtpproof_$name.out" 2>&1 &
-    pids+=($!); specs+=("$spec"); i=$(( i + 1 ))
+    calls+=("$!|$RUN/mtpproof_$name.out|mtpproof $spec"); i=$(( i + 1 ))
   done
-  for i in "${!pids[@]}"; do
-    wait "${pids[$i]}"; r=$?
-    [ "$r" = 0 ] || rc=1
-    name=${specs[$i]%%|*}
-    echo "== mtpproof ${specs[$i]}: rc $r"
-    grep -E '\] (ready in|FAILED)|Traceback' "$RUN/mtpproof_$name.out" | cut -c1-300
-    sed -n '/^workload    config/,$p' "$RUN/mtpproof_$name.out"
-  done
-  return $rc
+  wait_calls "${calls[@]}"
 }
 
 mtpperf_cmd() {
@@ -684,30 +693,23 @@ indexshare_cmd() {
   # GF_INDEX_PATTERN: one pattern, or several (FSSS,FSFS,glm52@12), each an
   # e2e_gpu.py call on ports of its own; at once under GF_PARALLEL=1 with the
   # check, else one after the other. One pattern keeps the old output names.
-  local entries i=0 rc=0 r pids=() names=()
+  local entries i name calls=()
   IFS=, read -r -a entries <<< "${GF_INDEX_PATTERN:-FSSS}"
   if [ ${#entries[@]} = 1 ]; then
     indexshare_one "${entries[0]}" "$PORT" indexshare
     return
   fi
   for i in "${!entries[@]}"; do
-    names+=("indexshare_${entries[$i]/@/_}")
+    name="indexshare_${entries[$i]/@/_}"
     if [ ${#PAR[@]} -gt 0 ] && [ "${GF_INDEXSHARE_CHECK:-1}" != 0 ]; then
-      indexshare_one "${entries[$i]}" $(( PORT + 100 * i )) "${names[$i]}" > "$RUN/${names[$i]}.out" 2>&1 &
-      pids+=($!)
+      indexshare_one "${entries[$i]}" $(( PORT + 100 * i )) "$name" > "$RUN/$name.out" 2>&1 &
+      calls+=("$!|$RUN/$name.out|indexshare ${entries[$i]}")
     else
-      indexshare_one "${entries[$i]}" $(( PORT + 100 * i )) "${names[$i]}" > "$RUN/${names[$i]}.out" 2>&1
-      pids+=("done:$?")
+      indexshare_one "${entries[$i]}" $(( PORT + 100 * i )) "$name" > "$RUN/$name.out" 2>&1
+      calls+=("done:$?|$RUN/$name.out|indexshare ${entries[$i]}")
     fi
   done
-  for i in "${!entries[@]}"; do
-    if [[ ${pids[$i]} == done:* ]]; then r=${pids[$i]#done:}; else wait "${pids[$i]}"; r=$?; fi
-    [ "$r" = 0 ] || rc=1
-    echo "== indexshare ${entries[$i]}: rc $r"
-    grep -E '\] (sglang_hisparse from|ready in|FAILED)|^servers run on|Traceback' "$RUN/${names[$i]}.out" | cut -c1-300
-    sed -n '/^workload    config/,$p' "$RUN/${names[$i]}.out"
-  done
-  return $rc
+  wait_calls "${calls[@]}"
 }
 
 pin_cmd() {
@@ -838,7 +840,7 @@ trace_cmd"
       run_stage mtp 150 "${GF_MTP_CAP_S:-510}" bash -c "$(declare -f mtp_cmd); $(declare -p E2E PAR RUN); mtp_cmd"
       show mtp ;;
     mtpproof)
-      run_stage mtpproof 240 "${GF_MTPPROOF_CAP_S:-540}" bash -c "$(declare -f mtpproof_cmd); $(declare -p E2E RUN PORT MTPPROOF_CALLS); mtpproof_cmd"
+      run_stage mtpproof 240 "${GF_MTPPROOF_CAP_S:-540}" bash -c "$(declare -f wait_calls mtpproof_cmd); $(declare -p E2E RUN PORT MTPPROOF_CALLS); mtpproof_cmd"
       show mtpproof ;;
     mtpperf)
       run_stage mtpperf 200 560 bash -c "$(declare -f mtpperf_cmd); $(declare -p E2E CPU_ARGS RUN); mtpperf_cmd"
@@ -863,7 +865,7 @@ trace_cmd"
         IS_TESTS_PID=$!
         say "== indexshare-tests: started in the background (pid $IS_TESTS_PID)"
       fi
-      run_stage indexshare "$(indexshare_need_s)" 540 bash -c "$(declare -f indexshare_one indexshare_cmd); $(declare -p E2E PAR CPU_ARGS RUN PORT); indexshare_cmd"
+      run_stage indexshare "$(indexshare_need_s)" 540 bash -c "$(declare -f wait_calls indexshare_one indexshare_cmd); $(declare -p E2E PAR CPU_ARGS RUN PORT); indexshare_cmd"
       if [ -n "${IS_TESTS_PID:-}" ]; then
         wait "$IS_TESTS_PID"; IS_TESTS_PID=""
         show indexshare-tests

@@ -907,6 +907,25 @@ def test_indexshare_waits_for_the_time_its_launches_need():
     assert need(GF_PARALLEL="1", GF_INDEXSHARE_CHECK="0", GF_INDEXSHARE_LAYERS="8") == 30 + 100 * 4
 
 
+def test_wait_calls_reports_each_call_and_fails_if_one_failed(tmp_path):
+    """gpu_stages.sh's wait_calls (the mtpproof and indexshare stages' several
+    e2e calls): each call's status, launch lines and tables under its title,
+    a title holding | (mtpproof's call specs) kept whole, rc 1 if any failed."""
+    import subprocess
+
+    out = tmp_path / "a.out"
+    out.write_text("[ours rep0] sglang_hisparse from x\n[ours rep0] ready in 9s\nnoise\n"
+                   "workload    config  runs\ncapacity    ours  1\n")
+    script = stage_functions("wait_calls") + (
+        f'(exit 3) & p=$!; wait_calls "done:0|{out}|mtpproof a112|X=1|1,1,2" "$p|{out}|second"')
+    p = subprocess.run(["bash", "-c", script], capture_output=True, text=True)
+    assert p.returncode == 1
+    assert p.stdout.splitlines() == [
+        "== mtpproof a112|X=1|1,1,2: rc 0", "[ours rep0] ready in 9s", "workload    config  runs",
+        "capacity    ours  1", "== second: rc 3", "[ours rep0] ready in 9s", "workload    config  runs",
+        "capacity    ours  1"]
+
+
 def test_indexshare_runs_each_pattern_on_ports_of_its_own(tmp_path):
     """gpu_stages.sh's indexshare_cmd: several GF_INDEX_PATTERN entries are
     one e2e_gpu.py call each, 100 ports apart, with outputs of their own;
@@ -915,7 +934,7 @@ def test_indexshare_runs_each_pattern_on_ports_of_its_own(tmp_path):
     and, timed one launch after the other, the 0.45 fraction."""
     import subprocess
 
-    functions = stage_functions("indexshare_one", "indexshare_cmd")
+    functions = stage_functions("wait_calls", "indexshare_one", "indexshare_cmd")
     echoing_python3(tmp_path)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -936,6 +955,11 @@ def test_indexshare_runs_each_pattern_on_ports_of_its_own(tmp_path):
     assert "--port 30110 " in deep and "--index-pattern glm52" in deep and "--check --warmup 0 --parallel" in deep
     assert "--geometry v32 --layers 12 --server-args --cuda-graph-max-bs 16" in deep
     assert f"--out {run_dir}/indexshare_glm52_12.json" in deep
+
+    # one after the other (no --parallel): the same calls, each waited for in turn
+    rc, out = run(False, GF_INDEX_PATTERN="FSSS,FSFS")
+    assert rc == 0 and "== indexshare FSSS: rc 0" in out and "== indexshare FSFS: rc 0" in out
+    assert "--port 30110 " in (run_dir / "indexshare_FSFS.out").read_text()
 
     rc, out = run(False, GF_INDEXSHARE_CHECK="0", GF_INDEXSHARE_LAYERS="8", GF_INDEX_PATTERN="glm52")
     assert rc == 0
