@@ -30,7 +30,7 @@ Usage:
                                   [--upstream-0523 DIR] [--blocks-per-req N]
                                   [--hash-scale S,S,.. [--hash-scale-only]]
   python scripts/bench_kernels.py --verify [2,4]   # speculative verify rows only
-  python scripts/bench_kernels.py --overlap [smx512,8x512,smx32,..]  # prefetch replays beside compute
+  python scripts/bench_kernels.py --overlap [smx512,8x512,16x512@hi,..]  # prefetch replays beside compute
 """
 
 from __future__ import annotations
@@ -625,7 +625,9 @@ def overlap_points(grids, bs: int, misses, replays: int, iters: int) -> list[dic
     this batch and an attention call, as many layers as make it about as
     long as the replays), and both together on two streams; ``hidden`` is
     the share of the shorter one that the overlap hid:
-    (copy + compute - both) / min(copy, compute)."""
+    (copy + compute - both) / min(copy, compute). ``grids`` holds
+    (ReplayGrid, high): with ``high`` the replays' stream has a higher
+    priority than the compute's (SGLANG_HISPARSE_PREFETCH_PRIORITY=1)."""
     from sglang_hisparse.kernels.copy_planned import copy_planned
 
     world = World(bs)
@@ -639,7 +641,7 @@ def overlap_points(grids, bs: int, misses, replays: int, iters: int) -> list[dic
             for k, n in shapes]
     q = torch.randn(bs, 16, 1, 128, generator=gen, **bf)
     kv = torch.randn(bs, 16, 2048, 128, generator=gen, **bf)
-    side = torch.cuda.Stream()
+    sides = {False: torch.cuda.Stream(), True: torch.cuda.Stream(priority=-1)}
 
     def timed(fn) -> float:  # us, median of `iters` after 3 warm-up calls
         for _ in range(3):
@@ -655,13 +657,16 @@ def overlap_points(grids, bs: int, misses, replays: int, iters: int) -> list[dic
     rows = []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     log(f"overlap: batch {bs}, {replays} replays per anchor, {sms} SMs")
-    log(f"{'miss':>5} {'grid':>8} {'rows':>6} {'copy':>8} {'GB/s':>6} {'compute':>8} {'both':>8} {'hidden':>6}")
+    log(f"{'miss':>5} {'grid':>11} {'rows':>6} {'copy':>8} {'GB/s':>6} {'compute':>8} {'both':>8} {'hidden':>6}")
     for miss in misses:
         top_k = world.top_k(bs, miss)
         gather(world, bs, top_k, out, num_real, seq_lens, reqs)
         moved = int(world.miss_count[:bs].sum())
         n_layers = None
-        for grid in grids:
+        for grid, high in grids:
+            side = sides[high]
+            label = f"{grid}{'@hi' if high else ''}"
+
             def copies(grid=grid):
                 for _ in range(replays):
                     copy_planned(world.miss_src[:bs], world.miss_dst[:bs], world.miss_count[:bs],
@@ -677,7 +682,7 @@ def overlap_points(grids, bs: int, misses, replays: int, iters: int) -> list[dic
                 for _ in range(n_layers):
                     layer()
 
-            def both():
+            def both(side=side):
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     copies()
@@ -687,9 +692,9 @@ def overlap_points(grids, bs: int, misses, replays: int, iters: int) -> list[dic
             t_comp, t_both = timed(compute), timed(both)
             hidden = (t_copy + t_comp - t_both) / min(t_copy, t_comp)
             gbps = moved * replays * ITEM / (t_copy * 1e-6) / 1e9
-            log(f"{miss * 100:>4.0f}% {str(grid):>8} {moved:>6} {t_copy:>8.1f} {gbps:>6.1f} {t_comp:>8.1f} "
+            log(f"{miss * 100:>4.0f}% {label:>11} {moved:>6} {t_copy:>8.1f} {gbps:>6.1f} {t_comp:>8.1f} "
                 f"{t_both:>8.1f} {hidden:>6.2f}")
-            rows.append(dict(miss=miss, grid=str(grid), moved_rows=moved, replays=replays,
+            rows.append(dict(miss=miss, grid=str(grid), high_priority=high, moved_rows=moved, replays=replays,
                              copy_us=t_copy, compute_us=t_comp, both_us=t_both, hidden=hidden,
                              compute_layers=n_layers, copy_gbps=gbps))
     return rows
@@ -757,7 +762,8 @@ def main(argv=None) -> int:
     ap.add_argument("--overlap", metavar="GRID,..", nargs="?", const="smx512,16x512,8x512,smx32,264x32",
                     help="only time the copy-only replay (the IndexShare prefetch) beside a compute "
                          "stand-in on another stream, per replay grid (SGLANG_HISPARSE_PREFETCH_GRID "
-                         "spelling: BLOCKSxTHREADS)")
+                         "spelling: BLOCKSxTHREADS; GRID@hi: the replays' stream at a higher "
+                         "priority, SGLANG_HISPARSE_PREFETCH_PRIORITY=1)")
     args = ap.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -780,11 +786,16 @@ def main(argv=None) -> int:
         from sglang_hisparse.engine.prefetch import ReplayGrid
         from sglang_hisparse.kernels.bench import compile_bench_variants
 
-        grids = [ReplayGrid.parse(g, "--overlap") for g in args.overlap.split(",")]
+        grids = []
+        for entry in args.overlap.split(","):
+            spec, _, priority = entry.partition("@")
+            if priority not in ("", "hi"):
+                ap.error(f"--overlap: {entry!r}: allowed GRID or GRID@hi")
+            grids.append((ReplayGrid.parse(spec, "--overlap"), priority == "hi"))
         compile_bench_variants(TOP_K, HOT, ITEM, jobs=[
             dict(record_plan=(True,)),
             dict(record_plan=(), copy_planned=True,
-                 copy_planned_threads=tuple(dict.fromkeys(g.threads for g in grids)))])
+                 copy_planned_threads=tuple(dict.fromkeys(g.threads for g, _ in grids)))])
         orows = overlap_points(grids, 16, [0.02, 0.13, 0.5], 3, iters if args.iters else 20)
         if args.json:
             Path(args.json).write_text(json.dumps(dict(

@@ -668,6 +668,17 @@ def test_sync_config_turns_the_prefetch_off_and_the_ratios(capsys):
     assert warp["decode_only_vs_noio"] == 0.9 and warp["step_gap_closed"] == 0.875
     out = capsys.readouterr().out
     assert "indexshare-decode capacity/warp 0.90 (met)   0.50   4.50 / 8.00 / 4.00   0.88 (met)" in out
+    # prio16: the prefetch stream above the forward's priority, 16 blocks.
+    _, env = e2e.server_cmd("/m", 1, "prio16", [])
+    assert (env["SGLANG_HISPARSE_PREFETCH_GRID"], env["SGLANG_HISPARSE_PREFETCH_PRIORITY"]) == ("16x512", "1")
+    assert e2e.CHECK_EXPECT["prio16"] == "exact"
+    summary.append({"workload": "capacity", "config": "prio16", "output_tok_s": 98.0, "tpot_ms": 10.2,
+                    "decode_step_ms": 4.2})
+    decode.append({"workload": "capacity", "config": "prio16", "decode_only_tok_s": 950.0})
+    rows = e2e.summarize_indexshare(summary, decode)
+    assert [r["config"] for r in rows] == ["ours", "warp", "prio16"]
+    assert rows[2]["step_gap_closed"] == 0.95
+    assert "indexshare-decode capacity/prio16" in capsys.readouterr().out
 
 
 def test_log_stats_reads_the_prefetch_state(tmp_path):

@@ -25,7 +25,8 @@ from dataplane_fixtures import (
     release, req_pool,
 )
 from kernel_cases import make_case, refresh_top_k
-from sglang_hisparse.config import INDEXSHARE_PREFETCH_ENV, PREFETCH_GRID_ENV, env_problems
+from sglang_hisparse.config import (INDEXSHARE_PREFETCH_ENV, PREFETCH_GRID_ENV, PREFETCH_PRIORITY_ENV,
+                                    env_problems)
 from sglang_hisparse.engine.index_share import (
     IndexShareConfigError,
     LayerRoles,
@@ -456,6 +457,22 @@ def test_replays_launch_the_grid_the_environment_names(monkeypatch):
     for r in reqs:
         w.finish(r)
     assert w.drained()
+
+
+def test_prefetch_priority_switch_reaches_the_stream(monkeypatch):
+    """SGLANG_HISPARSE_PREFETCH_PRIORITY=1 raises the prefetch stream above
+    the forward's default priority (0); unset it stays at 0; anything else
+    is refused naming the variable."""
+    assert env_problems({PREFETCH_PRIORITY_ENV: "high"}) == [
+        f"{PREFETCH_PRIORITY_ENV}='high' is not valid; allowed: 0, 1"]
+    for value, want in ((None, 0), ("0", 0), ("1", -1)):
+        if value is None:
+            monkeypatch.delenv(PREFETCH_PRIORITY_ENV, raising=False)
+        else:
+            monkeypatch.setenv(PREFETCH_PRIORITY_ENV, value)
+        w = World(LayerRoles.from_pattern("FSSS"), prefetch=True, monkeypatch=monkeypatch)
+        assert w.coord.streams.prefetch_priority == want
+        assert w.coord.prefetch.streams is w.coord.streams
 
 
 def test_parked_request_joins_in_lockstep(monkeypatch):

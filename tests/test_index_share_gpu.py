@@ -47,7 +47,8 @@ class Layers:
     layer its own pinned host pool and device pool; a CPU twin of every
     layer for the reference."""
 
-    def __init__(self, case, shared: int, seed: int, grid: ReplayGrid = ReplayGrid()):
+    def __init__(self, case, shared: int, seed: int, grid: ReplayGrid = ReplayGrid(),
+                 high_priority: bool = False):
         gen = torch.Generator().manual_seed(seed)
         self.want = [case.clone()]
         for _ in range(shared):
@@ -59,7 +60,8 @@ class Layers:
         self.gpu = [w.clone("cuda", pin_host=True) for w in self.want]
         self.roles = LayerRoles.from_pattern("F" + "S" * shared)
         bs, top_k = case.top_k_tokens.shape
-        self.streams = Streams("cuda")
+        self.streams = Streams("cuda", prefetch_high_priority=high_priority)
+        assert self.streams.prefetch.priority == (-1 if high_priority else 0)
         self.prefetch = IndexSharePrefetch(self.roles, max_requests=bs + 4, plan_width=top_k,
                                            device="cuda", streams=self.streams, grid=grid)
         self.workspace = torch.zeros(bs, dtype=torch.int32, device="cuda")
@@ -139,8 +141,12 @@ def test_replay_is_the_synchronous_swap_in_byte_for_byte(top_k, hot, grid):
     assert layers.prefetch.replays == 4 * 3
 
 
-@pytest.mark.parametrize("grid", GRIDS, ids=str)
-def test_plan_replay_under_cuda_graph_capture(grid):
+@pytest.mark.parametrize("high_priority", [False, True], ids=["default", "high"])
+@pytest.mark.parametrize("grid", GRIDS + [ReplayGrid(16, 512)], ids=str)
+def test_plan_replay_under_cuda_graph_capture(grid, high_priority):
+    """Captured on the capture stream with the prefetch stream forked from
+    it; at a higher priority (SGLANG_HISPARSE_PREFETCH_PRIORITY=1) the
+    replays keep it in the graph and still land before the reads."""
     seed = _seed()
     gen = random.Random(seed)
     bs, top_k = 8, 512
@@ -150,12 +156,12 @@ def test_plan_replay_under_cuda_graph_capture(grid):
     # the capture stream, as SGLang's graph runner does
     capture = torch.cuda.Stream()
     capture.wait_stream(torch.cuda.current_stream())
-    scratch = Layers(case, shared=2, seed=seed + 1, grid=grid)
+    scratch = Layers(case, shared=2, seed=seed + 1, grid=grid, high_priority=high_priority)
     with torch.cuda.stream(capture):
         scratch.gpu_step()
     torch.cuda.synchronize()
 
-    layers = Layers(case, shared=2, seed=seed + 1, grid=grid)
+    layers = Layers(case, shared=2, seed=seed + 1, grid=grid, high_priority=high_priority)
     # the static outputs of what attention reads, per shared layer
     reads_out = [torch.empty((bs * top_k, case.device_kv.size(1)), dtype=torch.uint8,
                              device="cuda") for _ in range(2)]
@@ -188,25 +194,26 @@ def _race_case(seed):
     return case
 
 
-def _race_layers(seed, shared: int, delay_cycles: int) -> Layers:
+def _race_layers(seed, shared: int, delay_cycles: int, high_priority: bool = False) -> Layers:
     """The race case's layers with a slow link, after one step of the same
     shapes on throwaway layers. Loading a CUDA module (each kernel's first
     call, the spin included) synchronizes the device: a first call made
     behind a slow replay would wait for it and hide the race (on the H200 the
     control then saw none); the warm-up also leaves the step's allocations in
     torch's cache."""
-    scratch = Layers(_race_case(seed), shared=shared, seed=seed + 1)
+    scratch = Layers(_race_case(seed), shared=shared, seed=seed + 1, high_priority=high_priority)
     scratch.prefetch.link_delay_cycles = 1000
     scratch.gpu_step()
     torch.cuda.synchronize()
-    layers = Layers(_race_case(seed), shared=shared, seed=seed + 1)
+    layers = Layers(_race_case(seed), shared=shared, seed=seed + 1, high_priority=high_priority)
     layers.prefetch.link_delay_cycles = delay_cycles
     return layers
 
 
-def test_shared_layer_never_reads_before_its_copy_landed():
+@pytest.mark.parametrize("high_priority", [False, True], ids=["default", "high"])
+def test_shared_layer_never_reads_before_its_copy_landed(high_priority):
     seed = _seed()
-    layers = _race_layers(seed, 3, 20_000_000)  # ~10 ms per replay: a slow link
+    layers = _race_layers(seed, 3, 20_000_000, high_priority)  # ~10 ms per replay: a slow link
     for step in range(3):
         reads = layers.gpu_step()
         layers.reference_step()

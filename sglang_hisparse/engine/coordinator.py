@@ -45,6 +45,7 @@ from sglang_hisparse.config import (
     CHECK_ENV,
     INDEXSHARE_PREFETCH_ENV,
     PARKING_ENV,
+    PREFETCH_PRIORITY_ENV,
     RESIDENCY_ENV,
     SKIP_IO_ENV,
     STREAMING_ENV,
@@ -197,7 +198,8 @@ class Coordinator:
 
         self.requests = RequestTable()
         self.ack_staging_queue: List[_Staging] = []  # STAGING, in copy order
-        self.streams = Streams(device)
+        self.streams = Streams(device, prefetch_high_priority=os.environ.get(
+            PREFETCH_PRIORITY_ENV) == "1")
         self.write_staging_stream = self.streams.staging
         self.decode_backup_stream = self.streams.backup
 
@@ -260,8 +262,9 @@ class Coordinator:
                 device=device, streams=self.streams, skip_io=self.skip_io,
                 grid=ReplayGrid.from_environ(os.environ))
             # (once at start-up, at WARNING so that every server log shows it)
-            logger.warning("HiSparse IndexShare prefetch on (%s=0 turns it off): %s; replay grid %s",
-                        INDEXSHARE_PREFETCH_ENV, index_roles, self.prefetch.grid)
+            logger.warning("HiSparse IndexShare prefetch on (%s=0 turns it off): %s; replay grid %s, "
+                           "stream priority %d", INDEXSHARE_PREFETCH_ENV, index_roles,
+                           self.prefetch.grid, self.streams.prefetch_priority)
         elif index_roles is not None and index_roles.shares:
             logger.warning("HiSparse IndexShare prefetch off: %s", off)
         # Tally row w - 1 counts the swap-ins that stand for w layers: an

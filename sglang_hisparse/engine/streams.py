@@ -23,6 +23,13 @@ Three streams (four with IndexShare) touch the KV of a request besides SGLang's 
   layer's attention waits for its event. Every replay is waited for within
   the same forward (so a CUDA graph's side stream is joined), and the next
   anchor's swap-in, which overwrites the plan, also waits for any left.
+  With ``SGLANG_HISPARSE_PREFETCH_PRIORITY=1`` the stream has a higher
+  priority than the forward's (which runs at the default, the lowest): the
+  block scheduler then places a replay's blocks on the next SM that frees up
+  instead of behind every block the forward has queued, so a small replay
+  grid moves its rows while the forward's GEMMs fill the other SMs. PyTorch
+  instantiates CUDA graphs with per-node priorities, and a kernel captured on
+  this stream keeps its priority in the graph.
 
 Releasing rows (finish, abort, retract) and demoting a resident first make
 the current stream wait for the decode producer stream and for the pending
@@ -109,12 +116,17 @@ class CpuEvent:
 class Streams:
     """Side streams and events on CUDA; synchronous no-ops elsewhere."""
 
-    def __init__(self, device):
+    # The prefetch stream's priority when raised: any value below the
+    # default 0 is a higher priority than the forward's.
+    HIGH_PRIORITY = -1
+
+    def __init__(self, device, prefetch_high_priority: bool = False):
         self.gpu = str(device).startswith("cuda") and torch.cuda.is_available()
         self.cpu_event_delay: Callable[[], int] = lambda: 0
         self.staging = torch.cuda.Stream() if self.gpu else None
         self.backup = torch.cuda.Stream() if self.gpu else None
-        self.prefetch = torch.cuda.Stream() if self.gpu else None
+        self.prefetch_priority = self.HIGH_PRIORITY if prefetch_high_priority else 0
+        self.prefetch = torch.cuda.Stream(priority=self.prefetch_priority) if self.gpu else None
         # SGLang's stream that runs the decode forward (overlap scheduler);
         # None: the current stream.
         self.decode_producer = None
