@@ -1172,11 +1172,21 @@ def main() -> int:
                          f"--mem-fraction-static {PARALLEL_MEM_FRACTION} unless --server-args sets "
                          "it): outputs, the check, parity and the drain in one launch's time; the "
                          "servers share the GPU and the cores, so their timings are not figures")
+    ap.add_argument("--together", action="store_true",
+                    help="start every configuration's server at once (ports as --parallel), then "
+                         "run the workloads on one server at a time, the configurations taking "
+                         "turns (the order reversed every other --inner-repeats round); with "
+                         "--cpus the server whose turn it is runs on those cores and the idle "
+                         "ones on the others. Timings are figures: one launch's start-up for "
+                         "all, and interleaved runs instead of one launch after the other")
     ap.add_argument("--dry-run", action="store_true",
                     help="launch nothing: print each launch's sglang.launch_server command and the "
                          "environment it adds (the model's architecture decides the flags), then exit")
     args = ap.parse_args()
     args.step_timer = args.step_timer or args.step_profile
+    if args.together and args.parallel:
+        ap.error("--together and --parallel exclude each other (--parallel runs the "
+                 "configurations' workloads at once, --together one at a time)")
     if args.merge:
         return merge(args)
     configs = args.configs.split(",")
@@ -1197,7 +1207,7 @@ def main() -> int:
 
     opts = {"hs_config": hs_config, "ref_pkg": args.ref_pkg, "check": args.check,
             "server_args": shlex.split(args.server_args), "synthetic": args.synthetic}
-    if args.parallel and "--mem-fraction-static" not in opts["server_args"]:
+    if (args.parallel or args.together) and "--mem-fraction-static" not in opts["server_args"]:
         opts["server_args"] += ["--mem-fraction-static", PARALLEL_MEM_FRACTION]
     if args.geometry:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -1259,7 +1269,11 @@ def main() -> int:
 
     for rep in range(args.repeats):
         for (flags, wenv), ws in by_flags.items():
-            if args.parallel:
+            if args.together:
+                together = serve_together(model, configs, args.port, rep, flags, wenv, ws, args,
+                                          opts, cpus)
+                launched = [together[cfg] for cfg in configs]
+            elif args.parallel:
                 # Every configuration at once, each on its own port.
                 with ThreadPoolExecutor(len(configs)) as ex:
                     futs = [ex.submit(launch, cfg, args.port + PARALLEL_PORT_STRIDE * i, rep, flags,
@@ -1328,26 +1342,7 @@ def serve_launch(model: str, port: int, cfg: str, rep: int, flags: list, wenv: d
             # The profile restarts at the first batch after this.
             (timer_out / "profile_reset").touch()
         for inner, w in [(i, w) for i in range(args.inner_repeats) for w in ws]:
-            mark = log.stat().st_size
-            time.sleep(0.6 if timer_out else 0)  # let the snapshot catch up
-            before = step_timer_snapshot(timer_out)
-            r = (run_drain(srv.url, log, max_new=args.max_new) if w == "drain"
-                 else run_workload(srv.url, w, max_requests=args.requests,
-                                   max_new=args.max_new, log_path=log))
-            r.update(log_stats(log, mark))
-            if timer_out:
-                time.sleep(0.6)
-                r["step_timer"] = step_timer_diff(before, step_timer_snapshot(timer_out))
-            runs[w].append(r)
-            print(f"[{cfg} rep{rep}.{inner}] {w}: {len(r['requests'])} ok, "
-                  f"{len(r['errors'])} errors, {r['output_tok_s']:.0f} tok/s, "
-                  f"tpot {r['mean_tpot_ms']}, ttft {r['median_ttft_s']} s, "
-                  f"step {r['decode_step_ms']} ms, running max {r['max_running']}, "
-                  f"hisparse misses {r['hisparse_misses']} (hit rate "
-                  f"{r['hisparse_hit_rate']}, host read {r['hisparse_host_read_mib']} MiB)"
-                  + (f", exact checked {r['exact_checked']} mismatch {r['exact_mismatch']}"
-                     if args.check else ""),
-                  flush=True)
+            runs[w].append(measured_run(srv, cfg, f"rep{rep}.{inner}", w, args, log, timer_out))
         if args.check:
             flush_counters(srv.url)
     except Exception as exc:
@@ -1362,6 +1357,131 @@ def serve_launch(model: str, port: int, cfg: str, rep: int, flags: list, wenv: d
         if args.check:
             record.update(check_verdict(cfg, record))
     return runs, record
+
+
+def measured_run(srv, cfg: str, label: str, w: str, args, log: Path, timer_out) -> dict:
+    """One recorded run of workload ``w`` on a ready server: its requests'
+    figures and what the server logged meanwhile."""
+    mark = log.stat().st_size
+    time.sleep(0.6 if timer_out else 0)  # let the snapshot catch up
+    before = step_timer_snapshot(timer_out)
+    r = (run_drain(srv.url, log, max_new=args.max_new) if w == "drain"
+         else run_workload(srv.url, w, max_requests=args.requests,
+                           max_new=args.max_new, log_path=log))
+    r.update(log_stats(log, mark))
+    if timer_out:
+        time.sleep(0.6)
+        r["step_timer"] = step_timer_diff(before, step_timer_snapshot(timer_out))
+    print(f"[{cfg} {label}] {w}: {len(r['requests'])} ok, "
+          f"{len(r['errors'])} errors, {r['output_tok_s']:.0f} tok/s, "
+          f"tpot {r['mean_tpot_ms']}, ttft {r['median_ttft_s']} s, "
+          f"step {r['decode_step_ms']} ms, running max {r['max_running']}, "
+          f"hisparse misses {r['hisparse_misses']} (hit rate "
+          f"{r['hisparse_hit_rate']}, host read {r['hisparse_host_read_mib']} MiB)"
+          + (f", exact checked {r['exact_checked']} mismatch {r['exact_mismatch']}"
+             if args.check else ""),
+          flush=True)
+    return r
+
+
+def group_threads(pgid: int) -> list[int]:
+    """Every thread of every process in process group ``pgid`` (a server
+    and what it started: scheduler, detokenizer, their threads)."""
+    tids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            # the fields after the command name (which may hold spaces): state ppid pgrp ...
+            if int(stat.rsplit(")", 1)[1].split()[2]) != pgid:
+                continue
+            tids += [int(t) for t in os.listdir(f"/proc/{entry}/task")]
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+    return tids
+
+
+def move_server(srv, cpus) -> None:
+    """Put every thread of a running server on ``cpus``. SGLang's scheduler
+    polls in a loop while idle (a core each without --sleep-on-idle), so with
+    --together the idle servers go to the cores the measured one does not use."""
+    for tid in group_threads(srv.proc.pid):
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except OSError:
+            pass  # exited meanwhile
+
+
+def serve_together(model: str, configs: list[str], port: int, rep: int, flags: list, wenv: dict,
+                   ws: list, args, opts: dict, cpus) -> dict:
+    """--together: every configuration's server started at once, then each
+    workload run on one server at a time; configurations take turns, in
+    ``configs`` order on even inner rounds and reversed on odd ones, so no
+    configuration always runs first. With ``cpus`` the server whose turn it
+    is runs there and the others on the remaining cores. Returns per config
+    what serve_launch returns."""
+    everyone = os.sched_getaffinity(0)
+    idle_cpus = ((everyone - set(cpus)) or everyone) if cpus else None
+    servers: dict = {}
+    logs = {cfg: Path(args.logs) / f"server_{cfg}_{ws[0]}_{rep}.log" for cfg in configs}
+    records = {cfg: {"config": cfg, "rep": rep, "workloads": ws, "log": logs[cfg].name,
+                     "check": args.check, "port": port + PARALLEL_PORT_STRIDE * i,
+                     "together": list(configs)} for i, cfg in enumerate(configs)}
+    runs: dict = {cfg: {w: [] for w in ws} for cfg in configs}
+    try:
+        for cfg in configs:
+            p, log = records[cfg]["port"], logs[cfg]
+            timer_out = (Path(args.logs) / f"steptimer_{cfg}_{ws[0]}_{rep}"
+                         if args.step_timer else None)
+            servers[cfg] = (Server(model, p, cfg, list(flags) + ["--nccl-port", str(p + 1)], log,
+                                   timer_out, None, step_profile=args.step_profile,
+                                   extra_env=dict(wenv), **opts), log, timer_out)
+        for cfg, (srv, _, _) in servers.items():
+            try:
+                records[cfg]["ready_s"] = srv.wait_ready()
+                print(f"[{cfg} rep{rep}] ready in {records[cfg]['ready_s']:.0f}s", flush=True)
+            except Exception as exc:
+                records[cfg]["error"] = repr(exc)
+                print(f"[{cfg} rep{rep}] FAILED: {exc!r}", flush=True)
+        ready = [c for c in configs if c in servers and "error" not in records[c]]
+
+        def turn(cfg: str) -> None:
+            if cpus:
+                for other in ready:
+                    move_server(servers[other][0], cpus if other == cfg else idle_cpus)
+
+        for cfg in ready if args.warmup else []:
+            turn(cfg)
+            for w in [w for w in ws if w != "drain"]:
+                run_workload(servers[cfg][0].url, w, seed0=7919, max_requests=args.requests,
+                             max_new=args.max_new, log_path=servers[cfg][1])
+        for inner in range(args.inner_repeats):
+            for cfg in (ready if inner % 2 == 0 else ready[::-1]):
+                srv, log, timer_out = servers[cfg]
+                turn(cfg)
+                for w in ws:
+                    try:
+                        runs[cfg][w].append(measured_run(srv, cfg, f"rep{rep}.{inner}", w, args,
+                                                         log, timer_out))
+                    except Exception as exc:
+                        records[cfg]["error"] = repr(exc)
+                        print(f"[{cfg} rep{rep}.{inner}] {w} FAILED: {exc!r}", flush=True)
+        for cfg in ready if args.check else []:
+            flush_counters(servers[cfg][0].url)
+    finally:
+        for cfg, (srv, log, _) in servers.items():
+            srv.stop()
+            records[cfg].update(log_stats(log, 0))
+            if args.check:
+                records[cfg].update(check_verdict(cfg, records[cfg]))
+    for cfg in configs:  # a failed configuration still has as many runs as the others
+        stats = log_stats(logs[cfg], 0) if logs[cfg].exists() else {}
+        for w in ws:
+            for _ in range(max(0, args.inner_repeats - len(runs[cfg][w]))):
+                runs[cfg][w].append({"requests": [], "errors": [records[cfg].get("error", "no run")],
+                                     **stats})
+    return {cfg: (runs[cfg], records[cfg]) for cfg in configs}
 
 
 def launch_groups(workloads: list[str]) -> dict[tuple, list[str]]:

@@ -195,6 +195,13 @@
 #             WORKLOAD/warp row); SGLANG_HISPARSE_PREFETCH_GRID set on the
 #             command reaches every config. Pin the cores
 #             (GF_CPUS=fastest:4), or the cores' spread (2x) decides.
+#             Config prio16: ours with the prefetch stream above the
+#             forward's priority and 16 x 512 replays. GF_INDEXSHARE_TOGETHER=1
+#             (timing runs): every config's server starts at once and the
+#             workloads run one server at a time, configs taking turns over
+#             GF_INDEXSHARE_INNER rounds, order reversed every other round
+#             (e2e_gpu.py --together; the idle servers sit on the cores
+#             GF_CPUS leaves): one start-up's time for all configs.
 #   dsv4      DeepSeek-V4 (issue #19; smoke, concurrent served 2026-12-04-s2): the tiny
 #             random-weight model tests/data/tiny-dsv4 (4 layers, compress
 #             ratios 0/4/128/4, index_topk 512, one NextN layer) served by
@@ -668,12 +675,22 @@ indexshare_need_s() {
   [[ -n "${GF_INDEXSHARE_LAYERS:-}" || ${GF_INDEX_PATTERN:-} == *@* ]] && per=100
   local n; n=$(tr ',' '\n' <<< "$configs" | grep -c .)
   [[ ${GF_PARALLEL:-0} = 1 && ${GF_INDEXSHARE_CHECK:-1} != 0 ]] && n=2
+  if [[ ${GF_INDEXSHARE_TOGETHER:-0} = 1 && ${GF_INDEXSHARE_CHECK:-1} = 0 ]]; then
+    # one start-up for all, then about half a launch per config and round
+    echo $(( (30 + per + per / 2 * n * ${GF_INDEXSHARE_INNER:-1}) * ${GF_INDEXSHARE_REPEATS:-1} ))
+    return
+  fi
   echo $(( 30 + per * n * ${GF_INDEXSHARE_REPEATS:-1} ))
 }
 
 indexshare_one() {  # $1: PATTERN or PATTERN@LAYERS, $2: port, $3: name of its outputs
   local check=(--check --warmup 0 "${PAR[@]}")
   [ "${GF_INDEXSHARE_CHECK:-1}" = 0 ] && check=()  # timing: one launch after the other
+  # GF_INDEXSHARE_TOGETHER=1 (timing): every config's server starts at once,
+  # the workloads then run one server at a time, configs taking turns
+  # GF_INDEXSHARE_INNER rounds (e2e_gpu.py --together): one start-up for all.
+  local together=()
+  [ "${GF_INDEXSHARE_TOGETHER:-0}" = 1 ] && [ ${#check[@]} = 0 ] && together=(--together)
   # PATTERN@LAYERS (or GF_INDEXSHARE_LAYERS=N): the V3.2 geometry with that
   # many layers instead of the kit model, sized as the 32K workloads are (16
   # hot buffers at 72000 rows); launched at once, --parallel's fraction.
@@ -685,7 +702,8 @@ indexshare_one() {  # $1: PATTERN or PATTERN@LAYERS, $2: port, $3: name of its o
     --server-args "${fraction}--cuda-graph-max-bs 16")
   "${E2E[@]}" --port "$2" --configs "${GF_INDEXSHARE_CONFIGS:-base,ours,sync,noio}" \
     --workloads "${GF_INDEXSHARE_WORKLOADS:-capacity}" --index-pattern "$pattern" \
-    --repeats "${GF_INDEXSHARE_REPEATS:-1}" "${check[@]}" "${CPU_ARGS[@]}" "${model[@]}" \
+    --repeats "${GF_INDEXSHARE_REPEATS:-1}" --inner-repeats "${GF_INDEXSHARE_INNER:-1}" \
+    "${check[@]}" "${together[@]}" "${CPU_ARGS[@]}" "${model[@]}" \
     ${syn:+--synthetic "$syn"} --out "$RUN/$3.json" --logs "$RUN/$3"
 }
 

@@ -916,6 +916,10 @@ def test_indexshare_waits_for_the_time_its_launches_need():
     assert need(GF_PARALLEL="1") == 30 + 60 * 2
     assert need(GF_PARALLEL="1", GF_INDEX_PATTERN="FSSS,glm52@12") == 30 + 100 * 2
     assert need(GF_PARALLEL="1", GF_INDEXSHARE_CHECK="0", GF_INDEXSHARE_LAYERS="8") == 30 + 100 * 4
+    # together: one start-up, then half a launch per config and round
+    assert need(GF_INDEXSHARE_TOGETHER="1", GF_INDEXSHARE_CHECK="0", GF_INDEXSHARE_LAYERS="20",
+                GF_INDEXSHARE_CONFIGS="ours,sync,noio", GF_INDEXSHARE_INNER="3") == 30 + 100 + 50 * 9
+    assert need(GF_INDEXSHARE_TOGETHER="1", GF_INDEXSHARE_CONFIGS="ours,sync,noio") == 30 + 60 * 3
 
 
 def test_wait_calls_reports_each_call_and_fails_if_one_failed(tmp_path):
@@ -976,6 +980,12 @@ def test_indexshare_runs_each_pattern_on_ports_of_its_own(tmp_path):
     assert rc == 0
     assert "--server-args --mem-fraction-static 0.45 --cuda-graph-max-bs 16" in out
     assert f"--out {run_dir}/indexshare.json" in out and "--check" not in out
+    assert "--inner-repeats 1 " in out and "--together" not in out
+    rc, out = run(False, GF_INDEXSHARE_CHECK="0", GF_INDEXSHARE_LAYERS="20", GF_INDEX_PATTERN="glm52",
+                  GF_INDEXSHARE_TOGETHER="1", GF_INDEXSHARE_INNER="3")
+    assert rc == 0 and "--inner-repeats 3 --together " in out
+    rc, out = run(False, GF_INDEXSHARE_TOGETHER="1")  # with the check: launches as before
+    assert rc == 0 and "--together" not in out
 
 
 def test_a_server_whose_log_stops_is_reported_stalled_not_waited_for(tmp_path):
@@ -1145,3 +1155,80 @@ def test_parallel_launches_every_config_at_once_and_plain_runs_without_mtp(
     assert summary["base"]["exactness_vs_plain"]["identical"] == 5
     assert "exactness_vs_plain" not in summary["plain"]
     assert "vs plain: 116 steps, 4 over 0.05, max 0.0; identical 1/5 (short 1/1)" in capsys.readouterr().out
+
+
+def test_together_starts_every_server_then_runs_one_at_a_time(tmp_path, monkeypatch):
+    """--together: every server starts before the first run and stops after
+    the last; runs go one server at a time, the configurations taking turns
+    and the order reversed every other round; with --cpus the server whose
+    turn it is gets those cores and the idle ones the rest."""
+    e2e = _load("e2e_gpu", SCRIPTS / "e2e_gpu.py")
+    monkeypatch.setitem(sys.modules, "e2e_gpu", e2e)
+    monkeypatch.setattr(e2e, "Server", _StandInServer)
+    monkeypatch.setattr(e2e, "package_origin", lambda env: {"origin": "stand-in"})
+    _StandInServer.events, _StandInServer.differs = [], None
+    kit = tmp_path / "kit"
+    kit.mkdir()
+    (kit / "config.json").write_text(json.dumps({"num_hidden_layers": 4}))
+    runs, moves = [], []
+    real_run = e2e.measured_run
+
+    def run(srv, cfg, *a, **kw):
+        _StandInServer.events.append(("run", cfg, time.time()))
+        runs.append(cfg)
+        return real_run(srv, cfg, *a, **kw)
+
+    monkeypatch.setattr(e2e, "measured_run", run)
+    monkeypatch.setattr(e2e, "move_server", lambda srv, cpus: moves.append((srv.config, set(cpus))))
+    core = min(os.sched_getaffinity(0))
+    argv = ["e2e_gpu.py", "--model", str(kit), "--configs", "base,ours,noio", "--workloads", "smoke",
+            "--warmup", "0", "--inner-repeats", "2", "--port", "31000", "--cpus", str(core),
+            "--out", str(tmp_path / "e2e.json"), "--logs", str(tmp_path / "logs"), "--together"]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert e2e.main() == 0
+
+    kinds = [(k, c) for k, c, _ in _StandInServer.events]
+    first_run = kinds.index(("run", "base"))
+    assert sorted(c for k, c in kinds[:first_run]) == ["base", "noio", "ours"]  # all started
+    assert all(k == "stop" for k, _ in kinds[first_run + len(runs):])
+    assert runs == ["base", "ours", "noio", "noio", "ours", "base"]
+    idle = (os.sched_getaffinity(0) - {core}) or os.sched_getaffinity(0)
+    turn = moves[:3]  # base's first turn: base on the chosen core, the others idle
+    assert sorted(turn) == sorted([("base", {core}), ("ours", idle), ("noio", idle)])
+    assert len(moves) == 3 * len(runs)
+    data = json.loads((tmp_path / "e2e.json").read_text())
+    assert {c: len(data["runs"][c]["smoke"]) for c in ("base", "ours", "noio")} == \
+        {"base": 2, "ours": 2, "noio": 2}
+    assert {r["config"]: r["port"] for r in data["launches"]} == \
+        {"base": 31000, "ours": 31007, "noio": 31014}
+
+    monkeypatch.setattr(sys, "argv", argv + ["--parallel"])
+    with pytest.raises(SystemExit):
+        e2e.main()
+
+
+def test_move_server_pins_every_thread_of_the_server_group():
+    """move_server reaches every thread of every process in the server's
+    process group (SGLang's scheduler polls from a thread of a child)."""
+    import subprocess
+    from types import SimpleNamespace
+
+    e2e = _load("e2e_gpu", SCRIPTS / "e2e_gpu.py")
+    child = ("import subprocess, sys, threading, time\n"
+             "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+             "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+             "time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", child], start_new_session=True)
+    try:
+        deadline = time.time() + 20
+        while len(e2e.group_threads(proc.pid)) < 3 and time.time() < deadline:
+            time.sleep(0.1)
+        tids = e2e.group_threads(proc.pid)
+        assert proc.pid in tids and len(tids) >= 3  # main thread, its thread, the grandchild
+        assert os.getpid() not in tids
+        core = min(os.sched_getaffinity(0))
+        e2e.move_server(SimpleNamespace(proc=proc), {core})
+        assert all(os.sched_getaffinity(t) == {core} for t in e2e.group_threads(proc.pid))
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait()
