@@ -27,13 +27,18 @@ Configurations:
           noio in one run, an IndexShare table gives ours / noio throughput
           and how much of the sync - noio TPOT gap the prefetch closes
   warp    ours with SGLANG_HISPARSE_PREFETCH_GRID=smx32: the IndexShare
-          prefetch replays with one-warp blocks, one per SM (ours: one
-          512-thread block per SM); with sync and noio in the run the
+          prefetch replays with one-warp blocks, one per SM (ours: 16
+          blocks of 512 threads); with sync and noio in the run the
           IndexShare table gets a row for it beside ours'
   prio16  ours with SGLANG_HISPARSE_PREFETCH_PRIORITY=1 and
-          SGLANG_HISPARSE_PREFETCH_GRID=16x512: the prefetch stream above the
-          forward's priority and 16 replay blocks of 512 threads; an
-          IndexShare row like warp's
+          SGLANG_HISPARSE_PREFETCH_GRID=16x512 set explicitly: the prefetch
+          stream above the forward's priority and 16 replay blocks of 512
+          threads, ours' default since 2026-12-05; an IndexShare row like
+          warp's
+  prio0   ours with SGLANG_HISPARSE_PREFETCH_PRIORITY=0 and
+          SGLANG_HISPARSE_PREFETCH_GRID=smx512: the prefetch at the forward's
+          priority with one 512-thread block per SM (the default until
+          2026-12-05); an IndexShare row like warp's
   nograph ours with --disable-cuda-graph (every verify / decode step eager)
   nores   ours with SGLANG_HISPARSE_RESIDENCY=0 (every request staged to host
           and decoded from a hot buffer; ours keeps requests resident while
@@ -243,7 +248,7 @@ WORKLOADS = {
 WORKLOAD_ENV = {"drain": {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "20"}}
 
 CONFIGS = ("base", "native", "ours", "nopark", "stream", "nostream", "noio", "sync", "warp", "prio16",
-           "nograph",
+           "prio0", "nograph",
            "nores", "stock", "ref", "plain", "base2")
 # Configurations that do not run this package's data plane: no --check for
 # them (stock runs 0.5.13's own HiSparse, so it still gets
@@ -252,14 +257,15 @@ NO_HISPARSE = ("base", "base2", "stock", "plain")
 # Configurations whose server runs this work tree's data plane, and what
 # --check must find in them: noio skips the host copies, a planted fault.
 CHECK_EXPECT = {"ours": "exact", "nopark": "exact", "stream": "exact", "nostream": "exact", "sync": "exact",
-                "warp": "exact", "prio16": "exact", "nograph": "exact", "nores": "exact", "noio": "mismatch"}
+                "warp": "exact", "prio16": "exact", "prio0": "exact", "nograph": "exact", "nores": "exact", "noio": "mismatch"}
 CHECK_ENV = "SGLANG_HISPARSE_CHECK"
 SYNTHETIC_ENV = "SGLANG_HISPARSE_SYNTHETIC_TOPK"
 # Where --synthetic reaches: this work tree's data plane, and SGLang's own
 # through the plugin's native-mode hook (adapter/native.py).
-SYNTHETIC_CONFIGS = ("ours", "nopark", "stream", "nostream", "noio", "sync", "warp", "prio16", "native")
+SYNTHETIC_CONFIGS = ("ours", "nopark", "stream", "nostream", "noio", "sync", "warp", "prio16", "prio0",
+                     "native")
 # The IndexShare prefetch configurations, each compared with sync and noio.
-PREFETCH_CONFIGS = ("ours", "warp", "prio16")
+PREFETCH_CONFIGS = ("ours", "warp", "prio16", "prio0")
 
 PARALLEL_PORT_STRIDE = 7  # gpu_stages.sh probes ports 30010 + 7k
 
@@ -398,6 +404,9 @@ def server_cmd(model: str, port: int, config: str, extra: list[str],
     if config == "prio16":
         env["SGLANG_HISPARSE_PREFETCH_GRID"] = "16x512"
         env["SGLANG_HISPARSE_PREFETCH_PRIORITY"] = "1"
+    if config == "prio0":
+        env["SGLANG_HISPARSE_PREFETCH_GRID"] = "smx512"
+        env["SGLANG_HISPARSE_PREFETCH_PRIORITY"] = "0"
     if config == "nograph":
         args += ["--disable-cuda-graph"]
     if config == "nores":
@@ -1549,7 +1558,7 @@ def merge(args) -> int:
             for w, runs in by_w.items():
                 results.setdefault(cfg, {}).setdefault(w, []).extend(runs)
         launches += [dict(x, source=str(path)) for x in data.get("launches", [])]
-    order = [c for c in ("base", "native", "ref", "ours", "warp", "prio16", "sync", "nograph", "nores",
+    order = [c for c in ("base", "native", "ref", "ours", "warp", "prio16", "prio0", "sync", "nograph", "nores",
                          "nopark", "stream", "nostream", "noio", "stock") if c in results]
     configs = order + [c for c in results if c not in order]
     workloads = sorted({w for by_w in results.values() for w in by_w})

@@ -58,6 +58,9 @@ class HiSparseArgumentError(ValueError):
 # registers plain pointers and finds where each lives (0.5.13
 # mooncake/conn.py:241-262; mooncake_tcp is it over TCP), fake moves nothing.
 HOST_TRANSFER_BACKENDS = ("mooncake", "mooncake_tcp", "fake")
+# Those whose metadata carries a HiSparse DeepSeek-V4 decode's device-tail
+# page indices (Mooncake's; fake moves nothing).
+DEVICE_INDEX_TRANSFER_BACKENDS = ("mooncake", "mooncake_tcp", "fake")
 
 
 @dataclass(frozen=True)
@@ -161,15 +164,32 @@ def find_problems(args: HiSparseServerArgs) -> tuple[list[str], HiSparseConfig |
         problems += speculative_problems(args)
     # A PD decode node retracts under memory pressure; 0.5.13 retracts by
     # snapshotting the device KV (get_cpu_copy), which the C4 allocator and
-    # pool cannot do (hot buffers hold a moving subset of the tokens), and
-    # keeping the KV on host instead is implemented for DSA rows only.
+    # pool cannot do (hot buffers hold a moving subset of the tokens).
+    # Keeping the KV where it is instead (policies/retain_on_retract.py)
+    # covers DSA rows and their indexer keys only: a DeepSeek-V4 request's
+    # C4 rows are on host, but its device-resident state (C4 indexer keys and
+    # C128 KV, addressed by logical page, and the SWA window and compressor
+    # states) is freed with its logical pages and not saved. The transfer
+    # itself is correct: the device tail's own page indices travel beside the
+    # host ones (adapter/disaggregation_device_index.py, tests/test_pd_device_index.py).
     if args.model_family is ModelFamily.DEEPSEEK_V4 and args.disaggregation_mode == "decode":
         problems.append(
             "--enable-hisparse on DeepSeek-V4 does not support --disaggregation-mode "
-            "decode yet (a retracted request's C4 KV cannot be kept on host); supported: "
-            "DeepSeek-V4 without --disaggregation-mode decode, or --disaggregation-mode "
-            "decode with a DSA model (DeepSeek-V3.2, GLM-5)"
+            "decode yet: a request the decode node retracts under memory pressure would "
+            "lose its device-resident state (C4 indexer keys, C128 KV, SWA window, "
+            "compressor states; only its C4 KV is kept on host); supported: DeepSeek-V4 "
+            "without --disaggregation-mode decode, or --disaggregation-mode decode with a "
+            "DSA model (DeepSeek-V3.2, GLM-5)"
         )
+        # The device tail's page indices travel in Mooncake's metadata only
+        # (ours up to 0.5.15.post1, the release's own from 0.5.17).
+        if args.transfer_backend not in DEVICE_INDEX_TRANSFER_BACKENDS:
+            problems.append(
+                "--enable-hisparse on a DeepSeek-V4 PD decode node needs "
+                f"--disaggregation-transfer-backend in {list(DEVICE_INDEX_TRANSFER_BACKENDS)}, "
+                f"got {args.transfer_backend}: the C4 indexer and C128 pages are sent beside "
+                "the host pages in Mooncake's transfer metadata only"
+            )
     # A HiSparse PD decode node receives the prefill's KV straight into the
     # pinned host pool (0.5.13 decode.py:392-399). A connector that registers
     # every KV buffer as GPU memory (0.5.13's NIXL: "VRAM", sglang#27563;

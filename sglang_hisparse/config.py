@@ -210,9 +210,10 @@ INDEXSHARE_PREFETCH_ENV = "SGLANG_HISPARSE_INDEXSHARE_PREFETCH"
 # coordinator: the grid of each IndexShare prefetch replay, BLOCKSxTHREADS
 # (engine/prefetch.py: ReplayGrid says why it matters, its parse checks it).
 PREFETCH_GRID_ENV = "SGLANG_HISPARSE_PREFETCH_GRID"
-# coordinator: "1" puts the IndexShare prefetch stream at the device's highest
-# priority, so the block scheduler places a replay's blocks before the
-# forward's queued ones instead of after them (engine/streams.py says why).
+# coordinator: "1" (default) puts the IndexShare prefetch stream at the
+# device's highest priority, so the block scheduler places a replay's blocks
+# before the forward's queued ones instead of after them (engine/streams.py
+# says why); "0" leaves it at the forward's.
 PREFETCH_PRIORITY_ENV = "SGLANG_HISPARSE_PREFETCH_PRIORITY"
 # coordinator: "0" (default) keeps streaming off (0.5.13's prefill-first
 # order), "1" or a token cap turns it on (engine/policies/streaming.py; its

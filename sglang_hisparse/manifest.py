@@ -30,7 +30,9 @@ Kinds:
                                      person must re-read when it changes. A
                                      target already hashed by a hook entry (e.g.
                                      ``Scheduler.get_next_batch_to_run``) gets
-                                     no DEPENDS entry: every target is listed once.
+                                     no DEPENDS entry: a target is listed once per
+                                     release (a patch ``until`` a release and a
+                                     DEPENDS ``since`` the next may share one).
 
 Every entry is checked the same way (all or nothing at activation; a changed
 DEPENDS target refuses activation on that release exactly like a changed
@@ -125,7 +127,10 @@ class Entry:
 
     def __post_init__(self):
         if self.sha256 is None:
-            object.__setattr__(self, "sha256", pins.hashes(self.target))
+            # Only the releases this entry covers: a target listed again
+            # over other releases has the rest.
+            object.__setattr__(self, "sha256", {v: h for v, h in pins.hashes(self.target).items()
+                                                if self.applies_to(v)})
 
     @property
     def name(self) -> str:
@@ -793,8 +798,10 @@ HOOKS: tuple[Entry, ...] = (
             "indexer K, SWA windows, Mamba states) with maybe_send_extra and drops its "
             "return code: a failed state transfer is reported to the decode as Success, "
             "which then decodes on an index K it never received (silent corruption, no "
-            "log line). Ours fails the request as a failed KV chunk does. It runs on the "
-            "prefill server, which has no --enable-hisparse, and is a fix for any "
+            "log line). Ours fails the request as a failed KV chunk does. It also reads the "
+            "device-tail pages a HiSparse DeepSeek-V4 decode packs behind its host pages "
+            "(pop_preallocated patch) and hands each chunk's slice to send_kvcache. It runs "
+            "on the prefill server, which has no --enable-hisparse, and is a fix for any "
             "server: scope ALWAYS, whatever the decode side runs."
         ),
         native_in="0.5.17",
@@ -811,8 +818,68 @@ HOOKS: tuple[Entry, ...] = (
             "a non-zero return of maybe_send_extra makes the request's poll Failed on "
             "prefill and decode (0.5.13: Success), with a failure record naming the room "
             "and the decode endpoint",
+            "a destination whose metadata vector carries device-tail pages "
+            "(disaggregation_device_index): each chunk sends its host slice as the KV "
+            "pages and its device slice to send_kvcache (dst_device_kv_indices); plain "
+            "vectors: unchanged",
         ),
-        tests=("tests/test_pd_transfer.py",),
+        tests=("tests/test_pd_transfer.py", "tests/test_pd_device_index.py"),
+    ),
+    # --- PD with a HiSparse DeepSeek-V4 decode: the device tail's own page
+    # indices (adapter/disaggregation_device_index.py). Decode side.
+    Entry(
+        target=f"{_PREALLOC}.pop_preallocated",
+        kind=Kind.SOURCE_PATCH,
+        sha256=None,
+        why=(
+            "A HiSparse DeepSeek-V4 decode registers the host pool's C4 layers and, after "
+            "them, the device pool's C4 indexer and C128 buffers (addressed by logical "
+            "page), but sends only the host pages: the prefill writes the device tail at "
+            "host page numbers, other requests' rows. Ours packs the request's logical pages "
+            "(req_to_token through kv_to_page_indices) behind the host pages in the metadata "
+            "vector, in a format a prefill without this plugin fails on before any byte "
+            "moves. Also relied on, unchanged: the request budget "
+            "(hisparse_attn_allocator.available_size() // padded_buffer_size - transfer "
+            "queue), indices paged by hisparse_page_size, every SWA state component gets the "
+            "window's SWA pages (the draft SWA registration)."
+        ),
+        native_in="0.5.17",
+        upstream="0.5.17 srt/disaggregation/decode.py:1252-1277 (device_kv_indices)",
+        scope=Scope.ALWAYS,
+        removal="drop with the last pin before 0.5.17 (native there), with the send_kvcache hook",
+        # 0.5.17 sends device_kv_indices itself (a TransferInfo field of its own).
+        until="0.5.15.post1",
+        process=Process.SCHEDULER,
+        behaviour=(
+            "HiSparse on a DeepSeek-V4 pool: the metadata vector is [host pages + 2**30, "
+            "logical pages, host-backed entry count, page count, tag] "
+            "(disaggregation_device_index.pack_device_tail_pages) instead of the host pages",
+            "every other decode (no HiSparse, DSA models): unchanged",
+        ),
+        tests=("tests/test_pd_device_index.py", "tests/test_pd_node.py"),
+    ),
+    # Prefill side: the device tail written at the pages the decode sent for it.
+    Entry(
+        target="sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.send_kvcache",
+        kind=Kind.AROUND,
+        sha256=None,
+        why=(
+            "With a HiSparse DeepSeek-V4 decode, its registered KV entries are host-backed "
+            "(the C4 layers, host pages) then device-backed (C4 indexer, C128: logical "
+            "pages); 0.5.13 sends every entry with one index vector. Ours sends the first "
+            "part with the host pages and the device tail with the logical pages the "
+            "decode packed beside them (the transfer_worker patch unpacks them), each "
+            "through SGLang's _send_kvcache_generic. It runs on the prefill server, which "
+            "has no --enable-hisparse: scope ALWAYS."
+        ),
+        native_in="0.5.17",
+        impl="sglang_hisparse.adapter.disaggregation_device_index:send_kvcache_with_device_tail",
+        upstream="0.5.17 srt/disaggregation/mooncake/conn.py:631-719, 771-803 (dst_device_kv_indices)",
+        scope=Scope.ALWAYS,
+        removal="drop with the last pin before 0.5.17 (native there), with the pop_preallocated patch",
+        until="0.5.15.post1",
+        process=Process.SCHEDULER,
+        tests=("tests/test_pd_device_index.py",),
     ),
     # --- PD disaggregation with a draft model, DeepSeek-V4 (HiSparse or not).
     Entry(
@@ -1309,6 +1376,9 @@ DEPENDS: tuple[Entry, ...] = (
              (_HOST_BACKENDS_0_5_13,), "tests/test_arg_hooks.py"),
         )
     ),
+    # Patched up to 0.5.15.post1 (the device-tail pages, a hook entry above);
+    # from 0.5.17, where that is native, still relied on unchanged: the same
+    # target a second time, over releases the patch does not cover.
     _depends(
         f"{_PREALLOC}.pop_preallocated",
         "request budget = hisparse_attn_allocator.available_size() // "
@@ -1316,6 +1386,7 @@ DEPENDS: tuple[Entry, ...] = (
         "every SWA state gets the window's SWA pages",
         (f"{_ALLOC}.available_size", _COORD, _DRAFT_SWA),
         scope=Scope.ALWAYS,
+        since="0.5.17",
     ),
     _depends(
         f"{_PREALLOC}._allocatable_token_budgets",

@@ -121,6 +121,19 @@ def _server_args_without_tokenizer():
 
 
 @contextlib.contextmanager
+def decode_node_server_args(page_size: int):
+    """A fresh ServerArgs of a PD decode node with ``page_size``, installed
+    as the process-wide one (what ``release_kv_cache`` and the PD queues
+    read) for the block."""
+    from sglang.srt import server_args as sa
+
+    args = sa.ServerArgs(model_path="dummy")
+    args.page_size, args.disaggregation_mode = page_size, "decode"
+    with installed_server_args(args):
+        yield args
+
+
+@contextlib.contextmanager
 def installed_server_args(args):
     """``args`` as SGLang's process-wide ServerArgs (``get_global_server_args``)
     for the block; whatever was installed before (or nothing) after it."""

@@ -465,6 +465,29 @@ def test_rules_refuse_deepseek_v4_on_a_pd_decode_node_only():
     assert find_problems(_dsa_args(disaggregation_mode="decode"))[0] == []
 
 
+def test_rules_name_retraction_and_the_device_index_transport_for_deepseek_v4_decode():
+    """The refusal names what is missing (a retracted request's device state);
+    a V4 decode's device-tail pages travel in Mooncake's metadata only, so
+    another connector is refused too, even one that receives host KV."""
+    from sglang_hisparse.arg_rules import (
+        DEVICE_INDEX_TRANSFER_BACKENDS, HOST_TRANSFER_BACKENDS, ModelFamily, find_problems,
+    )
+
+    v4 = dict(model_architecture="DeepseekV4ForCausalLM", model_family=ModelFamily.DEEPSEEK_V4,
+              model_index_topk=512, disaggregation_mode="decode")
+    (problem,) = find_problems(_dsa_args(**v4))[0]
+    assert "retracts" in problem and "C4 indexer keys, C128 KV, SWA window" in problem
+    with_nixl = HOST_TRANSFER_BACKENDS + ("nixl",)
+    problems, _ = find_problems(_dsa_args(**v4, transfer_backend="nixl",
+                                          decode_host_transfer_backends=with_nixl))
+    assert len(problems) == 2, problems
+    assert (f"--disaggregation-transfer-backend in {list(DEVICE_INDEX_TRANSFER_BACKENDS)}, "
+            "got nixl") in problems[1]
+    # DSA models do not need the device-tail pages
+    assert find_problems(_dsa_args(disaggregation_mode="decode", transfer_backend="nixl",
+                                   decode_host_transfer_backends=with_nixl))[0] == []
+
+
 def test_rules_refuse_a_decode_transfer_backend_the_release_cannot_receive_host_kv_with():
     from sglang_hisparse.arg_rules import HOST_TRANSFER_BACKENDS, find_problems
 

@@ -18,7 +18,7 @@ import torch
 
 from dataplane_fixtures import (
     PS, abort, abort_scheduler, chunk_cache, decode_step, dsa_pool, free_counts, get_tag,
-    installed_server_args, kv_allocated_len,
+    decode_node_server_args, kv_allocated_len,
     make_req, pre_alloc, put_tag, release, req_pool, t64,
 )
 from sglang_hisparse.pools.allocator import HiSparseDualAllocator
@@ -31,11 +31,7 @@ HOT, TOPK = 128, 16
 @pytest.fixture
 def server_args():
     """The global ServerArgs ``release_kv_cache`` reads, as on a PD decode node."""
-    import sglang.srt.server_args as sa
-
-    args = sa.ServerArgs(model_path="dummy")
-    args.page_size, args.disaggregation_mode = PS, "decode"
-    with installed_server_args(args):
+    with decode_node_server_args(PS) as args:
         yield args
 
 

@@ -310,5 +310,5 @@ def test_manifest_entry_checks_out():
         r.endswith(":register_draft_swa_state") for r in e.relied_on_by)]
     assert "sglang.srt.disaggregation.utils.append_state_component" in relying
     for target in relying:
-        (dep,) = [e for e in ENTRIES if e.target == target]
+        (dep,) = [e for e in ENTRIES if e.kind is Kind.DEPENDS and e.target == target]
         assert dep.scope is Scope.ALWAYS, target  # checked whenever the hook is installed

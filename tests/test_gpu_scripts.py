@@ -678,6 +678,16 @@ def test_sync_config_turns_the_prefetch_off_and_the_ratios(capsys):
     rows = e2e.summarize_indexshare(summary, decode)
     assert [r["config"] for r in rows] == ["ours", "warp", "prio16"]
     assert rows[2]["step_gap_closed"] == 0.95
+    # prio0: the default until 2026-12-05 (the forward's priority, one block per SM).
+    _, env = e2e.server_cmd("/m", 1, "prio0", [])
+    assert (env["SGLANG_HISPARSE_PREFETCH_GRID"], env["SGLANG_HISPARSE_PREFETCH_PRIORITY"]) == ("smx512", "0")
+    assert e2e.CHECK_EXPECT["prio0"] == "exact" and "prio0" in e2e.SYNTHETIC_CONFIGS
+    summary.append({"workload": "capacity", "config": "prio0", "output_tok_s": 96.0, "tpot_ms": 10.6,
+                    "decode_step_ms": 6.0})
+    decode.append({"workload": "capacity", "config": "prio0", "decode_only_tok_s": 800.0})
+    rows = e2e.summarize_indexshare(summary, decode)
+    assert [r["config"] for r in rows] == ["ours", "warp", "prio16", "prio0"]
+    assert rows[3]["step_gap_closed"] == 0.5
     assert "indexshare-decode capacity/prio16" in capsys.readouterr().out
 
 

@@ -428,7 +428,7 @@ def test_replays_launch_the_grid_the_environment_names(monkeypatch):
     from sglang_hisparse.engine import prefetch as prefetch_mod
     from sglang_hisparse.engine.prefetch import ReplayGrid
 
-    assert ReplayGrid.from_environ({}) == ReplayGrid(None, 512)
+    assert ReplayGrid.from_environ({}) == ReplayGrid(16, 512)
     assert ReplayGrid.from_environ({PREFETCH_GRID_ENV: "smx32"}) == ReplayGrid(None, 32)
     assert ReplayGrid.from_environ({PREFETCH_GRID_ENV: "8x512"}) == ReplayGrid(8, 512)
     for spelling in ("smx512", "smx32", "264x32"):
@@ -436,8 +436,8 @@ def test_replays_launch_the_grid_the_environment_names(monkeypatch):
     for bad in ("0x512", "8x64", "8", "lots", "2000x32", "x32"):
         assert env_problems({PREFETCH_GRID_ENV: bad}) == [
             f"{PREFETCH_GRID_ENV}={bad!r} is not valid; allowed: BLOCKSxTHREADS, BLOCKS an integer "
-            f"from 1 to 1024 or sm (one per SM), THREADS 512 or 32 (e.g. smx512, the default, "
-            f"or 132x32)"]
+            f"from 1 to 1024 or sm (one per SM), THREADS 512 or 32 (e.g. 16x512, the default, "
+            f"or smx512)"]
     monkeypatch.setenv(PREFETCH_GRID_ENV, "12x32")
     w = World(LayerRoles.from_pattern("FSSS"), prefetch=True, monkeypatch=monkeypatch)
     grids = []
@@ -460,12 +460,12 @@ def test_replays_launch_the_grid_the_environment_names(monkeypatch):
 
 
 def test_prefetch_priority_switch_reaches_the_stream(monkeypatch):
-    """SGLANG_HISPARSE_PREFETCH_PRIORITY=1 raises the prefetch stream above
-    the forward's default priority (0); unset it stays at 0; anything else
-    is refused naming the variable."""
+    """The prefetch stream runs above the forward's default priority (0)
+    unless SGLANG_HISPARSE_PREFETCH_PRIORITY=0; anything but 0 and 1 is
+    refused naming the variable."""
     assert env_problems({PREFETCH_PRIORITY_ENV: "high"}) == [
         f"{PREFETCH_PRIORITY_ENV}='high' is not valid; allowed: 0, 1"]
-    for value, want in ((None, 0), ("0", 0), ("1", -1)):
+    for value, want in ((None, -1), ("0", 0), ("1", -1)):
         if value is None:
             monkeypatch.delenv(PREFETCH_PRIORITY_ENV, raising=False)
         else:

@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from dataplane_fixtures import (
-    PS, chunk_cache, decode_batch, dsa_pool, free_counts, get_tag, installed_server_args,
+    PS, chunk_cache, decode_batch, decode_node_server_args, dsa_pool, free_counts, get_tag,
     kv_allocated_len, patched_pre_alloc, put_tag, release, req_pool,
 )
 from sglang_hisparse.adapter.model_runner import HiSparseCoordinator
@@ -46,11 +46,7 @@ DEVICE_ROWS = 1024
 
 @pytest.fixture
 def server_args():
-    import sglang.srt.server_args as sa
-
-    args = sa.ServerArgs(model_path="dummy")
-    args.page_size, args.disaggregation_mode = PS, "decode"
-    with installed_server_args(args):
+    with decode_node_server_args(PS) as args:
         yield args
 
 

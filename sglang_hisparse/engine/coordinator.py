@@ -198,8 +198,10 @@ class Coordinator:
 
         self.requests = RequestTable()
         self.ack_staging_queue: List[_Staging] = []  # STAGING, in copy order
+        # The prefetch above the forward's priority unless told "0" (the
+        # A/B of 2026-12-05: engine/prefetch.py's ReplayGrid has the figures).
         self.streams = Streams(device, prefetch_high_priority=os.environ.get(
-            PREFETCH_PRIORITY_ENV) == "1")
+            PREFETCH_PRIORITY_ENV, "1") != "0")
         self.write_staging_stream = self.streams.staging
         self.decode_backup_stream = self.streams.backup
 

@@ -68,7 +68,7 @@ class ReplayGrid:
     V3.2 layer stand-in) it hid 2-3% of the shorter side, 8 blocks hid 32-58%
     at 47 GB/s, 4 blocks lost bandwidth (35-38 GB/s). Served (8 V3.2 layers,
     FSSSFSSS, calibrated top-k) 8 x 512 was still slower than synchronous
-    swap-ins (step 3.78 vs 3.26 ms), so the default stays one 512-thread
+    swap-ins (step 3.78 vs 3.26 ms), so the default stayed one 512-thread
     block per SM, which served level with them (2026-12-02, random weights). 32-thread
     blocks (one warp, 1,024 registers) were meant to fit beside those
     kernels' blocks instead of displacing them; measured, they hide less
@@ -78,9 +78,17 @@ class ReplayGrid:
     the GPU (20 V3.2 layers, FSSS x 5, calibrated top-k) the default grid
     closed 0.33-0.35 of the step gap between synchronous swap-ins and no
     host IO (2026-12-04-s4); 1024 blocks of 512, most of them exiting at
-    once, hid nothing beside the stand-in."""
+    once, hid nothing beside the stand-in.
 
-    blocks: Optional[int] = None
+    The default is 16 blocks of 512 with the prefetch stream above the
+    forward's priority (engine/streams.py): the replay's few blocks are
+    placed first and the forward's fill the other SMs. Served side by side
+    on the H200 (same 20-layer model and workload, two runs, each config one
+    launch) it closed 0.65 and 0.63 of the step gap, where one block per SM
+    at the forward's priority closed 0.32 in the second run; decode-only
+    0.88 of skip-IO in both (docs/gpu-runs/2026-12-05-s2/)."""
+
+    blocks: Optional[int] = 16
     threads: int = 512
 
     @classmethod
@@ -97,8 +105,8 @@ class ReplayGrid:
         if grid is None:
             raise ValueError(
                 f"{name}={value!r} is not valid; allowed: BLOCKSxTHREADS, BLOCKS an integer "
-                f"from 1 to 1024 or sm (one per SM), THREADS 512 or 32 (e.g. smx512, the "
-                f"default, or 132x32)")
+                f"from 1 to 1024 or sm (one per SM), THREADS 512 or 32 (e.g. 16x512, the "
+                f"default, or smx512)")
         return grid
 
     @classmethod

@@ -23,8 +23,9 @@ Three streams (four with IndexShare) touch the KV of a request besides SGLang's 
   layer's attention waits for its event. Every replay is waited for within
   the same forward (so a CUDA graph's side stream is joined), and the next
   anchor's swap-in, which overwrites the plan, also waits for any left.
-  With ``SGLANG_HISPARSE_PREFETCH_PRIORITY=1`` the stream has a higher
-  priority than the forward's (which runs at the default, the lowest): the
+  By default (``SGLANG_HISPARSE_PREFETCH_PRIORITY`` unset or ``1``) the
+  stream has a higher priority than the forward's (which runs at the
+  default, the lowest; ``0`` puts the prefetch there too): the
   block scheduler then places a replay's blocks on the next SM that frees up
   instead of behind every block the forward has queued, so a small replay
   grid moves its rows while the forward's GEMMs fill the other SMs. PyTorch

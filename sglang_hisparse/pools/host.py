@@ -360,6 +360,16 @@ class HiSparseC4HostPool(PagedHostSlots, HostKVCache):
     def _registered_buffers(self):
         return list(self.kv_buffer)
 
+    def get_contiguous_buf_infos(self):
+        """Per-layer page buffers, the transfer target of a PD decode
+        (0.5.13 ``DecodePreallocQueue._init_kv_manager``, decode.py:392-399,
+        registers them before the device tail). One item is one C4 page, as
+        on the prefill's C4 device pool (the same padded page bytes), so a
+        prefill page lands whole on a host page."""
+        return ([buf.data_ptr() for buf in self.kv_buffer],
+                [buf.nbytes for buf in self.kv_buffer],
+                [self.page_bytes] * self.layer_num)
+
     def get_size_per_token(self):
         return self.size_per_token
 
