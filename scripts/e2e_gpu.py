@@ -1326,8 +1326,7 @@ def serve_launch(model: str, port: int, cfg: str, rep: int, flags: list, wenv: d
     runs each, after a warm-up run unless ``--warmup 0``); returns its runs
     per workload and the launch's record. A launch that fails gets runs
     holding the error, so every configuration has as many runs as the others."""
-    log = Path(args.logs) / f"server_{cfg}_{ws[0]}_{rep}.log"
-    timer_out = (Path(args.logs) / f"steptimer_{cfg}_{ws[0]}_{rep}" if args.step_timer else None)
+    log, timer_out = launch_files(args, cfg, ws, rep)
     if args.parallel:
         # SGLang picks a free port for torch.distributed's store at start-up;
         # servers starting together can pick the same one (2026-12-04-s3:
@@ -1357,15 +1356,34 @@ def serve_launch(model: str, port: int, cfg: str, rep: int, flags: list, wenv: d
     except Exception as exc:
         record["error"] = repr(exc)
         print(f"[{cfg} rep{rep}] FAILED: {exc!r}", flush=True)
-        for w in ws:
-            for _ in range(max(0, args.inner_repeats - len(runs[w]))):
-                runs[w].append({"requests": [], "errors": [repr(exc)], **log_stats(log, 0)})
+        pad_failed_runs(runs, args.inner_repeats, repr(exc), log_stats(log, 0))
     finally:
-        srv.stop()
-        record.update(log_stats(log, 0))
-        if args.check:
-            record.update(check_verdict(cfg, record))
+        stop_launch(srv, log, record, args)
     return runs, record
+
+
+def launch_files(args, cfg: str, ws: list, rep: int) -> tuple[Path, Path | None]:
+    """A launch's server log, and its step-timer folder under --step-timer."""
+    log = Path(args.logs) / f"server_{cfg}_{ws[0]}_{rep}.log"
+    timer_out = (Path(args.logs) / f"steptimer_{cfg}_{ws[0]}_{rep}" if args.step_timer else None)
+    return log, timer_out
+
+
+def pad_failed_runs(runs: dict, repeats: int, error: str, stats: dict) -> None:
+    """A failed launch still has ``repeats`` runs per workload, holding the
+    error, so every configuration has as many runs as the others."""
+    for w_runs in runs.values():
+        w_runs.extend({"requests": [], "errors": [error], **stats}
+                      for _ in range(max(0, repeats - len(w_runs))))
+
+
+def stop_launch(srv, log: Path, record: dict, args) -> None:
+    """Stop a launch's server; its record gets the whole log's figures and,
+    under --check, the check's verdict."""
+    srv.stop()
+    record.update(log_stats(log, 0))
+    if args.check:
+        record.update(check_verdict(record["config"], record))
 
 
 def measured_run(srv, cfg: str, label: str, w: str, args, log: Path, timer_out) -> dict:
@@ -1433,16 +1451,15 @@ def serve_together(model: str, configs: list[str], port: int, rep: int, flags: l
     everyone = os.sched_getaffinity(0)
     idle_cpus = ((everyone - set(cpus)) or everyone) if cpus else None
     servers: dict = {}
-    logs = {cfg: Path(args.logs) / f"server_{cfg}_{ws[0]}_{rep}.log" for cfg in configs}
+    files = {cfg: launch_files(args, cfg, ws, rep) for cfg in configs}
+    logs = {cfg: files[cfg][0] for cfg in configs}
     records = {cfg: {"config": cfg, "rep": rep, "workloads": ws, "log": logs[cfg].name,
                      "check": args.check, "port": port + PARALLEL_PORT_STRIDE * i,
                      "together": list(configs)} for i, cfg in enumerate(configs)}
     runs: dict = {cfg: {w: [] for w in ws} for cfg in configs}
     try:
         for cfg in configs:
-            p, log = records[cfg]["port"], logs[cfg]
-            timer_out = (Path(args.logs) / f"steptimer_{cfg}_{ws[0]}_{rep}"
-                         if args.step_timer else None)
+            p, (log, timer_out) = records[cfg]["port"], files[cfg]
             servers[cfg] = (Server(model, p, cfg, list(flags) + ["--nccl-port", str(p + 1)], log,
                                    timer_out, None, step_profile=args.step_profile,
                                    extra_env=dict(wenv), **opts), log, timer_out)
@@ -1480,16 +1497,10 @@ def serve_together(model: str, configs: list[str], port: int, rep: int, flags: l
             flush_counters(servers[cfg][0].url)
     finally:
         for cfg, (srv, log, _) in servers.items():
-            srv.stop()
-            records[cfg].update(log_stats(log, 0))
-            if args.check:
-                records[cfg].update(check_verdict(cfg, records[cfg]))
-    for cfg in configs:  # a failed configuration still has as many runs as the others
-        stats = log_stats(logs[cfg], 0) if logs[cfg].exists() else {}
-        for w in ws:
-            for _ in range(max(0, args.inner_repeats - len(runs[cfg][w]))):
-                runs[cfg][w].append({"requests": [], "errors": [records[cfg].get("error", "no run")],
-                                     **stats})
+            stop_launch(srv, log, records[cfg], args)
+    for cfg in configs:
+        pad_failed_runs(runs[cfg], args.inner_repeats, records[cfg].get("error", "no run"),
+                        log_stats(logs[cfg], 0) if logs[cfg].exists() else {})
     return {cfg: (runs[cfg], records[cfg]) for cfg in configs}
 
 
