@@ -202,6 +202,10 @@
 #             GF_INDEXSHARE_INNER rounds, order reversed every other round
 #             (e2e_gpu.py --together; the idle servers sit on the cores
 #             GF_CPUS leaves): one start-up's time for all configs.
+#             GF_MEM_FRACTION (0.45): each indexshare server's
+#             --mem-fraction-static; on an 80 GB card three --together
+#             servers of 16+ V3.2 layers need 0.85 (the workload's
+#             --max-total-tokens still caps each pool).
 #   dsv4      DeepSeek-V4 (issue #19; smoke, concurrent served 2026-12-04-s2): the tiny
 #             random-weight model tests/data/tiny-dsv4 (4 layers, compress
 #             ratios 0/4/128/4, index_topk 512, one NextN layer) served by
@@ -696,7 +700,10 @@ indexshare_one() {  # $1: PATTERN or PATTERN@LAYERS, $2: port, $3: name of its o
   # hot buffers at 72000 rows); launched at once, --parallel's fraction.
   local pattern=${1%@*} layers=${GF_INDEXSHARE_LAYERS:-}
   [[ $1 == *@* ]] && layers=${1#*@}
-  local model=() syn=${GF_INDEXSHARE_SYNTHETIC:-} fraction="--mem-fraction-static 0.45 "
+  # GF_MEM_FRACTION: each server's --mem-fraction-static (0.45). Three
+  # --together servers of 20 layers (22 GB of weights each) do not fit an
+  # H100's 80 GB at 0.45 (2026-12-05-s3: two exited "Not enough memory").
+  local model=() syn=${GF_INDEXSHARE_SYNTHETIC:-} fraction="--mem-fraction-static ${GF_MEM_FRACTION:-0.45} "
   [ ${#PAR[@]} -gt 0 ] && [ ${#check[@]} -gt 0 ] && fraction=""
   [ -n "$layers" ] && model=(--geometry v32 --layers "$layers"
     --server-args "${fraction}--cuda-graph-max-bs 16")
