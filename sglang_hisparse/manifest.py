@@ -1207,8 +1207,27 @@ DEPENDS: tuple[Entry, ...] = (
         "sglang.srt.mem_cache.memory_pool.DSATokenToKVPool.get_cpu_copy",
         "the indexer's index_k_with_scale_buffer is indexed by page (location // page_size) "
         "and must go with a retracted request's KV: its pages are reused",
-        (f"{_RETAIN}._save_index_k", f"{_RETAIN}._load_index_k"),
+        ("sglang_hisparse.engine.retained_device_state:dsa_indexer_state",),
         tests=("tests/test_pd_node.py",),
+    ),
+    # DeepSeek-V4 on a PD decode node: what a retracted request's device state is
+    # (0.5.13's layout; refused from 0.5.15, whose C128 state is per request).
+    _depends(
+        "sglang.srt.mem_cache.deepseek_v4_memory_pool.DeepSeekV4TokenToKVPool."
+        "get_contiguous_buf_infos",
+        "the device buffers besides the C4 KV: C4 indexer keys and C128 KV, one page per "
+        "logical page",
+        ("sglang_hisparse.engine.retained_device_state:dsv4_device_state",),
+        tests=("tests/test_dsv4_retract.py",),
+        until="0.5.13.post1",
+    ),
+    _depends(
+        "sglang.srt.mem_cache.deepseek_v4_compress_state.CompressStatePool."
+        "translate_from_swa_loc_to_state_loc",
+        "a compressor state holds ring_size rows per SWA page (swa_loc // swa_page_size)",
+        ("sglang_hisparse.engine.retained_device_state:SwaPages",),
+        tests=("tests/test_dsv4_retract.py",),
+        until="0.5.13.post1",
     ),
     _depends(
         f"{_REQ}.load_kv_cache",

@@ -396,6 +396,13 @@ def abort(scheduler, rid):
         scheduler_abort_request(Scheduler.abort_request, scheduler, AbortReq(rid=rid))
 
 
+def drained(env) -> bool:
+    """Every slot back: ``env.counts()`` equals ``env.start``, the coordinator
+    holds no request slot, and no logical id maps to a device row."""
+    return (env.counts() == env.start and not env.coord.live_request_slots()
+            and int(env.alloc.full_to_hisparse_device_index_mapping[:-1].abs().sum()) == 0)
+
+
 def free_counts(alloc, host=None, r2t=None):
     d = dict(logical=alloc.logical_available_size(), physical=alloc.physical_available_size())
     if host is not None:

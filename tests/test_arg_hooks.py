@@ -111,9 +111,11 @@ def cases_with_plugin(dirs) -> dict:
                                       *config("{bad")]},
         "deepseek_v4_mixed_chunk": v4("--enable-mixed-chunk"),
         "deepseek_v4_top_k_differs": v4(*config({"top_k": 2048})),
-        # PD decode: DSA models retract to host; DeepSeek-V4 cannot (yet).
+        # PD decode: both families retract to host (V4 with its device state).
         "pd_decode_dsa": dsv32("--disaggregation-mode", "decode"),
         "pd_decode_deepseek_v4": v4("--disaggregation-mode", "decode"),
+        "pd_decode_deepseek_v4_nixl": v4("--disaggregation-mode", "decode",
+                                         "--disaggregation-transfer-backend", "nixl"),
         # The decode receives into the host pool; which connectors can, per release.
         "pd_decode_nixl": dsv32("--disaggregation-mode", "decode",
                                 "--disaggregation-transfer-backend", "nixl"),
@@ -340,10 +342,11 @@ def test_pipeline_parallelism_not_supported_yet(ours):
     rejected(ours["pipeline_parallel"], "pipeline parallelism yet", "--pp-size must be 1, got 2")
 
 
-def test_deepseek_v4_on_a_pd_decode_node_is_refused(ours):
-    rejected(ours["pd_decode_deepseek_v4"], "DeepSeek-V4", "--disaggregation-mode decode",
-             "--enable-hisparse", "supported:", "DSA model (DeepSeek-V3.2, GLM-5)")
+def test_deepseek_v4_on_a_mooncake_pd_decode_node_is_taken(ours):
+    assert ours["pd_decode_deepseek_v4"]["ok"], ours["pd_decode_deepseek_v4"]
     assert ours["pd_decode_dsa"]["ok"], ours["pd_decode_dsa"]
+    rejected(ours["pd_decode_deepseek_v4_nixl"], "DeepSeek-V4 PD decode node",
+             "--disaggregation-transfer-backend in", "got nixl")
 
 
 def test_a_pd_decode_node_needs_a_connector_that_receives_into_host_memory(ours):
@@ -453,36 +456,38 @@ def test_rules_reject_an_unresolved_auto_kv_dtype():
         check_hisparse_server_args(_dsa_args(kv_cache_dtype="auto"))
 
 
-def test_rules_refuse_deepseek_v4_on_a_pd_decode_node_only():
+def test_rules_take_deepseek_v4_on_a_pd_decode_node():
+    """Retraction keeps a V4 request's device state (retain_on_retract), so a
+    V4 decode node is refused only for what its transfer needs."""
     from sglang_hisparse.arg_rules import ModelFamily, find_problems
 
     v4 = dict(model_architecture="DeepseekV4ForCausalLM", model_family=ModelFamily.DEEPSEEK_V4,
               model_index_topk=512)
-    problems, _ = find_problems(_dsa_args(**v4, disaggregation_mode="decode"))
-    assert len(problems) == 1 and "--disaggregation-mode decode" in problems[0]
-    for mode in ("null", "prefill"):
-        assert find_problems(_dsa_args(**v4, disaggregation_mode=mode))[0] == []
+    for mode in ("null", "prefill", "decode"):
+        assert find_problems(_dsa_args(**v4, disaggregation_mode=mode))[0] == [], mode
     assert find_problems(_dsa_args(disaggregation_mode="decode"))[0] == []
+    # a release whose V4 device state the retraction does not keep (0.5.15's
+    # C128 compressor state is per request)
+    (problem,) = find_problems(_dsa_args(**v4, disaggregation_mode="decode",
+                                         dsv4_retraction_keeps_device_state=False))[0]
+    assert "--disaggregation-mode decode" in problem and "C128 compressor state" in problem
+    assert "supported: sglang 0.5.13 or 0.5.13.post1" in problem
 
 
-def test_rules_name_retraction_and_the_device_index_transport_for_deepseek_v4_decode():
-    """The refusal names what is missing (a retracted request's device state);
-    a V4 decode's device-tail pages travel in Mooncake's metadata only, so
-    another connector is refused too, even one that receives host KV."""
+def test_rules_name_the_device_index_transport_for_deepseek_v4_decode():
+    """A V4 decode's device-tail pages travel in Mooncake's metadata only, so
+    another connector is refused, even one that receives host KV."""
     from sglang_hisparse.arg_rules import (
         DEVICE_INDEX_TRANSFER_BACKENDS, HOST_TRANSFER_BACKENDS, ModelFamily, find_problems,
     )
 
     v4 = dict(model_architecture="DeepseekV4ForCausalLM", model_family=ModelFamily.DEEPSEEK_V4,
               model_index_topk=512, disaggregation_mode="decode")
-    (problem,) = find_problems(_dsa_args(**v4))[0]
-    assert "retracts" in problem and "C4 indexer keys, C128 KV, SWA window" in problem
     with_nixl = HOST_TRANSFER_BACKENDS + ("nixl",)
-    problems, _ = find_problems(_dsa_args(**v4, transfer_backend="nixl",
-                                          decode_host_transfer_backends=with_nixl))
-    assert len(problems) == 2, problems
+    (problem,) = find_problems(_dsa_args(**v4, transfer_backend="nixl",
+                                         decode_host_transfer_backends=with_nixl))[0]
     assert (f"--disaggregation-transfer-backend in {list(DEVICE_INDEX_TRANSFER_BACKENDS)}, "
-            "got nixl") in problems[1]
+            "got nixl") in problem
     # DSA models do not need the device-tail pages
     assert find_problems(_dsa_args(disaggregation_mode="decode", transfer_backend="nixl",
                                    decode_host_transfer_backends=with_nixl))[0] == []

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dataplane_fixtures import (
+    drained,
     PS, abort, abort_scheduler, decode_step, dsa_pool, free_counts, get_tag, make_req, pre_alloc,
     prefill, put_tag, release, req_pool,
 )
@@ -62,8 +63,7 @@ class Env:
         release(self.r2t, self.alloc, req)
 
     def drained(self):
-        return (self.counts() == self.start and not self.coord.live_request_slots()
-                and int(self.alloc.full_to_hisparse_device_index_mapping[:-1].abs().sum()) == 0)
+        return drained(self)
 
 
 def test_drop_in_signature():

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from dataplane_fixtures import (
+    drained,
     PS, abort, abort_scheduler, chunk_cache, decode_step, dsa_pool, free_counts, get_tag,
     decode_node_server_args, kv_allocated_len,
     make_req, pre_alloc, put_tag, release, req_pool, t64,
@@ -84,8 +85,7 @@ class PDEnv:
         return [get_tag(self.host.kv_buffer[layer], rows) for layer in range(self.pool.layer_num)]
 
     def drained(self):
-        return (self.counts() == self.start and not self.coord.live_request_slots()
-                and int(self.alloc.full_to_hisparse_device_index_mapping[:-1].abs().sum()) == 0)
+        return drained(self)
 
 
 def generated(req, steps, lag):

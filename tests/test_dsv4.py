@@ -141,9 +141,9 @@ def test_drop_in_signatures_and_public_api():
 # for the sliding-window tail only when the allocator has it
 # (decode.py _uses_swa_tail_prealloc); without it the SWA is allocated at the
 # full prompt length and the decode caps its tokens at the SWA pool, as on
-# 0.5.15.post1. With HiSparse that path is a DeepSeek-V4 PD decode, which our
-# argument rules refuse (arg_rules: "does not support --disaggregation-mode
-# decode"), so ours keeps 0.5.15.post1's behaviour.
+# 0.5.15.post1. With HiSparse that path is a DeepSeek-V4 PD decode; ours keeps
+# 0.5.15.post1's behaviour (a retracted request's window comes back into SWA
+# slots that cover its whole length).
 NOT_OFFERED = ("alloc_extend_swa_tail",)
 
 

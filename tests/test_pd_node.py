@@ -32,6 +32,7 @@ import pytest
 import torch
 
 from dataplane_fixtures import (
+    drained,
     PS, chunk_cache, decode_batch, decode_node_server_args, dsa_pool, free_counts, get_tag,
     kv_allocated_len, patched_pre_alloc, put_tag, release, req_pool,
 )
@@ -204,8 +205,7 @@ class PDNode:
         return [get_index_tag(buf, logical) for buf in self.pool.index_k_with_scale_buffer]
 
     def drained(self):
-        return (self.counts() == self.start and not self.coord.live_request_slots()
-                and int(self.alloc.full_to_hisparse_device_index_mapping[:-1].abs().sum()) == 0)
+        return drained(self)
 
 
 def test_host_pool_too_full_for_the_next_prompt_makes_it_wait(server_args):

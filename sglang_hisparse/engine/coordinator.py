@@ -231,7 +231,7 @@ class Coordinator:
         # are implemented for DSA rows only.
         self.residency = Residency(self, enabled=bool(residency) and not self.is_dsv4_hisparse)
         self.parking = Parking(self, enabled=bool(parking) and not self.is_dsv4_hisparse)
-        self.retain = RetainOnRetract(self, enabled=bool(pd_decode) and not self.is_dsv4_hisparse)
+        self.retain = RetainOnRetract(self, enabled=bool(pd_decode))
         # ``streaming``: the switch's value ("0", "1", a token cap); None: the
         # environment's. A PD decode node prefills nothing.
         if streaming is None:

@@ -33,9 +33,10 @@ and our coordinator (``hisparse_kvcache``, ``compress_ratio``,
 0.5.17's own allocator adds ``alloc_extend_swa_tail`` (a PD decode's
 prealloc of the SWA tail only, taken when the allocator has it:
 ``decode.py`` ``_uses_swa_tail_prealloc``). Ours does not offer it, so the
-SWA is allocated at full prompt length as on 0.5.15.post1; with HiSparse that
-path is a DeepSeek-V4 PD decode, which our argument rules refuse
-(``tests/test_dsv4.py`` ``NOT_OFFERED``).
+SWA is allocated at full prompt length as on 0.5.15.post1 (a DeepSeek-V4 PD
+decode with HiSparse; ``tests/test_dsv4.py`` ``NOT_OFFERED``). A retracted
+request's window is then restored into SWA slots that cover its whole
+length (``engine/retained_device_state.py``).
 """
 
 from __future__ import annotations

@@ -15,14 +15,17 @@ copied back and forth:
 * ``retract_req`` writes the newest token through to host if the last
   write-through has not, *detaches* the request's host rows into a
   :class:`RetainedHostKV` and releases its hot buffer as usual;
-* the DSA indexer's keys (``index_k_with_scale_buffer``) are not in the host
-  pool: they stay on the device for every token, addressed by *logical*
-  page, and retraction frees those pages (another request's indexer writes
-  reuse them). ``retract_req`` copies the request's index-K pages to the CPU
-  into the :class:`RetainedHostKV` and ``load_cpu_copy`` writes them into the
-  resumed request's new logical pages, as 0.5.13's ``DSATokenToKVPool``
-  snapshot does; without it the resumed request's top-k scored foreign or
-  zero keys;
+* what the forward keeps on the device for every token is not in the host
+  pool, and retraction frees the slots that address it (other requests
+  reuse them): the DSA indexer's keys by logical page; on DeepSeek-V4 the
+  C4 indexer's keys and the C128 KV by logical page, the SWA window's KV and
+  the compressor states by SWA page. ``retract_req`` copies those pages to
+  the CPU into the :class:`RetainedHostKV` and ``load_cpu_copy`` writes them
+  into the resumed request's new pages
+  (:mod:`sglang_hisparse.engine.retained_device_state`), as 0.5.13's
+  ``DSATokenToKVPool`` snapshot does for the indexer; without it the resumed
+  request's top-k scored foreign or zero keys, and a V4 request attended
+  over another request's window;
 * the allocator's ``get_cpu_copy`` hands that object to SGLang, which keeps
   it on the request as ``kv_cache_cpu`` while it waits in the retracted queue;
 * when SGLang resumes it, ``_pre_alloc`` (patched) asks the coordinator for
@@ -43,7 +46,11 @@ holds back what every request on the node, retracted ones included, may
 still write, and SGLang's prealloc keeps the next prompt waiting until that
 fits. The policy lists the retained KV it has handed out (:meth:`kept`) for
 that count.
-DeepSeek-V4's compressed pools keep 0.5.13's behaviour (not supported).
+
+DeepSeek-V4 (C4 rows on host, counted in compressed tokens) takes the same
+path: the C4 row of a group of four tokens goes through to host one step
+after the group closes, as in decode, and the device-resident state above
+is what differs.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ from typing import Optional
 
 import torch
 
+from sglang_hisparse.engine.retained_device_state import RetainedDeviceState, retained_device_state
 from sglang_hisparse.engine.state import ReqState
 from sglang_hisparse.engine.streams import device_index
 
@@ -72,9 +80,9 @@ class RetainedHostKV:
     rows: Optional[torch.Tensor]
     allocated_len: int
     req: object = None
-    # The indexer's K/scale pages of positions [0, num_tokens), one CPU
-    # tensor per layer of the device pool (empty: the pool has no indexer).
-    index_k: tuple = ()
+    # The device-resident pages of positions [0, num_tokens) on the CPU
+    # (RetainedDeviceState.save; empty: the model keeps nothing there).
+    device_state: tuple = ()
     # Set when the rows went back into the resumed request's table (adopt).
     adopted: bool = False
 
@@ -98,6 +106,15 @@ class RetainOnRetract:
         self._pending: Optional[RetainedHostKV] = None
         # Retained KV SGLang holds (retracted queue), by id, in retraction order.
         self._kept: dict = {}
+        self._device_state: Optional[RetainedDeviceState] = None
+
+    @property
+    def device_state(self) -> RetainedDeviceState:
+        """The model's device-resident buffers (built on first use: the
+        coordinator's pools are complete by then)."""
+        if self._device_state is None:
+            self._device_state = retained_device_state(self.coord)
+        return self._device_state
 
     def kept(self):
         """The retained KV of every retracted request (rows still held)."""
@@ -144,33 +161,10 @@ class RetainOnRetract:
         rows = coord.req_to_host_pool[idx, :alloc_len].clone()
         coord.req_to_host_pool[idx, :] = -1
         coord.req_to_host_pool_allocated_len[idx] = 0
-        index_k = self._save_index_k(coord.req_to_token_pool.req_to_token[idx, :need])
-        self._pending = RetainedHostKV(req.rid, need, rows, alloc_len, req, index_k)
+        # (before_release above ordered this after the forward that wrote them)
+        state = self.device_state.save(coord.req_to_token_pool.req_to_token[idx, :need])
+        self._pending = RetainedHostKV(req.rid, need, rows, alloc_len, req, state)
         coord.request_finished(req)  # hot buffer, device rows; no host rows left to free
-
-    def _index_k_pages(self, logical: torch.Tensor) -> torch.Tensor:
-        """The logical pages holding positions [0, n) (position 0 starts a page)."""
-        return logical[:: self.coord.page_size].to(torch.int64) // self.coord.page_size
-
-    def _save_index_k(self, logical: torch.Tensor) -> tuple:
-        """Copy the indexer's K/scale pages of ``logical`` to the CPU. The
-        forward that wrote the newest of them is done (``before_release``
-        ordered this stream after it); the copy to the CPU waits for the gather."""
-        bufs = getattr(self.coord.mem_pool_device, "index_k_with_scale_buffer", None)
-        if not bufs or logical.numel() == 0:
-            return ()
-        pages = self._index_k_pages(logical)
-        return tuple(buf[pages].to("cpu") for buf in bufs)
-
-    def _load_index_k(self, kept: RetainedHostKV, logical: torch.Tensor) -> None:
-        """Write the retained index-K pages into the resumed request's new pages."""
-        if not kept.index_k:
-            return
-        bufs = self.coord.mem_pool_device.index_k_with_scale_buffer
-        pages = self._index_k_pages(logical).to(bufs[0].device)
-        for buf, saved in zip(bufs, kept.index_k, strict=True):
-            buf[pages] = saved.to(buf.device)
-        kept.index_k = ()
 
     # ------------------------------------------------ allocator entry points
     def take_retained(self, num_tokens: int) -> RetainedHostKV:
@@ -214,7 +208,9 @@ class RetainOnRetract:
             raise RuntimeError(
                 f"HiSparse: {kept.rid} resumes with {len(token_indices)} tokens, "
                 f"retained {kept.num_tokens}")
-        self._load_index_k(kept, token_indices)
+        if kept.device_state:
+            self.device_state.load(kept.device_state, token_indices)
+            kept.device_state = ()
         self.coord.admit_request_direct(kept.req)
 
     def release_retained(self, kept) -> None:
@@ -223,4 +219,4 @@ class RetainOnRetract:
             self._kept.pop(id(kept), None)
             if kept.holds_rows:
                 self.coord.mem_pool_host.free(kept.rows[kept.rows >= 0])
-            kept.rows, kept.index_k = None, ()
+            kept.rows, kept.device_state = None, ()
