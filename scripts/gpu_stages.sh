@@ -164,7 +164,10 @@
 #             must equal the prefill's in ours and differ in stock. Needs
 #             the V4 tarball unpacked first (the dsv4 stage's first call)
 #             and Mooncake: two calls on one warm machine (the V4 tarball,
-#             Mooncake's and the JIT cache; then the kit).
+#             Mooncake's and the JIT cache; then the kit). GF_PD_PARTS=v4hs
+#             (#19 item 4, not run yet): DeepSeek-V4 with HiSparse on the
+#             decode node, forced retraction and the check, against a
+#             colocated V4; the same carries.
 #   indexshare  IndexShare prefetch (#20): its GPU tests
 #             (tests/test_index_share_gpu.py and the copy-only kernel's
 #             replay test) in the background while e2e_gpu.py serves the kit
@@ -803,8 +806,8 @@ dsv4_cmd() {
 pd_cmd() {  # the stage's limit in $1 (s): pd_gpu.py keeps ~40 s of it for stopping
   source scripts/mooncake_env.sh .bundle/mooncake.tar.xz || return 1  # explicit: a sourced file sees the function's $1
   echo "mooncake_env: $(python3 -c 'import mooncake.engine as m; print(m.__file__)')"
-  # part v4draft serves DeepSeek-V4: tilelang and libz3 from the V4 tarball
-  if [[ ,${GF_PD_PARTS:-}, == *,v4draft,* ]]; then
+  # parts v4draft and v4hs serve DeepSeek-V4: tilelang and libz3 from the V4 tarball
+  if [[ ,${GF_PD_PARTS:-}, == *,v4draft,* || ,${GF_PD_PARTS:-}, == *,v4hs,* ]]; then
     source scripts/dsv4_env.sh .bundle/dsv4.tar.xz || return 1
   fi
   python3 scripts/pd_gpu.py --parts "${GF_PD_PARTS:-exact,retract,faults,capacity}" \

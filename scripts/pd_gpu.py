@@ -82,6 +82,15 @@ covers its estimate, and the JSON is rewritten after each):
            SWA window: equal for every request in ours, different for every
            one in stock; ours' outputs identical to the reference below
            index_topk
+  v4hs     (not in the default; issue #19 item 4) DeepSeek-V4 (``--v4-model``)
+           with HiSparse on the decode node: a plain V4 prefill on its own
+           bootstrap port, our V4 decode with the in-server check and forced
+           retraction (SGLANG_TEST_RETRACT), and a colocated V4 reference, on
+           ``pdretract``. The decode must retract and resume (its C4 rows kept
+           on host, the device state restored: engine/retained_device_state.py),
+           its check cover C4 rows with 0 mismatches, every request finish,
+           the pools come back (probe), and the outputs match the reference
+           below index_topk (512 C4 rows, 2048 tokens)
 
     source .gpu/device_env.sh
     SGLANG_HOST_IP=127.0.0.1 python3 scripts/pd_gpu.py --out $OUT/pd.json --logs $OUT/pd
@@ -147,6 +156,9 @@ V4_MTP = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "1",
           "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2"]
 V4_STOCK_BOOTSTRAP_PORT = BOOTSTRAP_PORT + 1
 DRAFTPROBE_DIR = Path(__file__).resolve().parent / "draftprobe"
+# Part v4hs: V4 with HiSparse on the decode node; its own bootstrap port, so
+# it can run beside the other parts' prefills.
+V4HS_BOOTSTRAP_PORT = BOOTSTRAP_PORT + 2
 
 
 # --- router ------------------------------------------------------------------
@@ -479,7 +491,8 @@ def run(node_url: str, workload: str, **kw) -> dict:
 
 # --- parts -------------------------------------------------------------------
 
-ESTIMATE_S = {"exact": 160, "retract": 60, "faults": 120, "capacity": 90, "v4draft": 90}
+ESTIMATE_S = {"exact": 160, "retract": 60, "faults": 120, "capacity": 90, "v4draft": 90,
+              "v4hs": 90}
 EXACT_WORKLOADS = ("smoke", "concurrent", "capacity")
 
 
@@ -765,6 +778,53 @@ def part_v4draft(nodes, results, args):
     return verdict
 
 
+def part_v4hs(nodes, results, args):
+    """DeepSeek-V4 with HiSparse on a PD decode node, retracting: outputs as
+    the colocated V4's below index_topk, every request served, the check
+    exact over C4 rows, retractions > 0 and the pools back after a probe."""
+    colo = nodes["v4hs-colo"]
+    ref = run(colo.url, "pdretract")
+    colo.stop()
+    dec = nodes["v4hs-decode"]
+    router = Router(free_port(32500), dec.url, nodes["v4hs-prefill"].url,
+                    bootstrap_port=V4HS_BOOTSTRAP_PORT)
+    try:
+        mark = dec.mark()
+        got = run(router.url, "pdretract")
+        probe = probe_after(router.url)
+        e2e.flush_counters(router.url)
+        time.sleep(1.0)
+    finally:
+        router.close()
+    results["v4hs-colo"], results["v4hs-decode"] = {"pdretract": ref}, {"pdretract": got}
+    facts = decode_facts(dec.text(mark), dec.text())
+    stats = e2e.log_stats(dec.log, 0)
+    ex = exactness(ref, got, args)
+    v = {"exactness": ex, "errors": len(got["errors"]), "requests": len(got["requests"]),
+         "finished": sum(1 for q in got["requests"]
+                         if (q.get("finish_reason") or {}).get("type") == "length"),
+         "decode_log": facts, "probe": probe, "pools_back": pools_back(facts),
+         "check": e2e.check_verdict("ours", stats), "exact_checked": stats.get("exact_checked"),
+         "exact_mismatch": stats.get("exact_mismatch"), "hisparse_misses": stats.get("hisparse_misses")}
+    v["ok"] = (v["errors"] == 0 and v["finished"] == len(ref["requests"]) > 0
+               and facts["retractions"] > 0 and not facts["traceback"]
+               and not facts["transfer_failed"] and probe["ok"] and v["pools_back"] is True
+               and (v["check"] or {}).get("check_ok") is True
+               and ex["below_topk_identical"] is True)
+    return v
+
+
+def v4hs_specs(args) -> dict:
+    """The three servers of part v4hs: name -> (config, flags, env, check)."""
+    retract = {"SGLANG_TEST_RETRACT": "1",
+               "SGLANG_TEST_RETRACT_INTERVAL": str(args.retract_interval)}
+    return {
+        "v4hs-prefill": ("base", prefill_flags(args, V4HS_BOOTSTRAP_PORT), {}, False),
+        "v4hs-decode": ("ours", SHORT_FLAGS + decode_flags(args), retract, True),
+        "v4hs-colo": ("base", SHORT_FLAGS, {}, False),
+    }
+
+
 def v4draft_specs(args) -> dict:
     """The five servers of part v4draft: name -> (config, flags, env)."""
     def probe(pair):
@@ -836,6 +896,10 @@ def plan_nodes(args) -> dict:
     if "v4draft" in args.parts:
         for name, (cfg, flags, env) in v4draft_specs(args).items():
             nodes[name] = Node(name, cfg, flags, L, args.v4_model, env={**PD_ENV, **env}, server_args=sa)
+    if "v4hs" in args.parts:
+        for name, (cfg, flags, env, check) in v4hs_specs(args).items():
+            nodes[name] = Node(name, cfg, flags, L, args.v4_model, check=check,
+                               env={**PD_ENV, **env}, server_args=sa)
     return nodes
 
 
@@ -843,8 +907,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=os.environ.get("TINY_DSV32", ".gpu/tiny-dsv32"))
     ap.add_argument("--parts", default="exact,retract,faults,capacity",
-                    help=f"any of {', '.join(ESTIMATE_S)} (v4draft: DeepSeek-V4 + EAGLE, not in the default)")
-    ap.add_argument("--v4-model", default=str(V4_MODEL), help="part v4draft's DeepSeek-V4 model")
+                    help=f"any of {', '.join(ESTIMATE_S)} (v4draft: DeepSeek-V4 + EAGLE; v4hs: DeepSeek-V4 "
+                         "with HiSparse on the decode; neither in the default)")
+    ap.add_argument("--v4-model", default=str(V4_MODEL), help="parts v4draft's and v4hs' DeepSeek-V4 model")
     ap.add_argument("--backend", default="mooncake_tcp",
                     help="--disaggregation-transfer-backend of prefill and decode")
     ap.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
@@ -886,6 +951,7 @@ def main() -> int:
         # faults last: it kills the prefill (and starts another).
         for part, fn in (("exact", part_exact), ("retract", part_retract),
                          ("capacity", part_capacity), ("v4draft", part_v4draft),
+                         ("v4hs", part_v4hs),
                          ("faults", part_faults)):
             if part not in args.parts:
                 continue
@@ -920,7 +986,8 @@ def main() -> int:
 PART_NODES = {"exact": ("colo-base", "pd-ours", "pd-wide", "pd-fake"),
               "retract": ("colo-base", "pd-retract", "pd-press"),
               "faults": ("pd-fault",), "capacity": ("pd-base", "pd-cap"),
-              "v4draft": ("v4-colo", "v4-prefill", "v4-decode", "v4-prefill-stock", "v4-decode-stock")}
+              "v4draft": ("v4-colo", "v4-prefill", "v4-decode", "v4-prefill-stock", "v4-decode-stock"),
+              "v4hs": ("v4hs-colo", "v4hs-prefill", "v4hs-decode")}
 
 
 def print_summary(report: dict) -> None:
@@ -956,6 +1023,15 @@ def print_summary(report: dict) -> None:
                       f"(one side only: {w['one_side_only']}), {x['errors']} errors; vs colocated: "
                       f"{ex['checked_steps']} steps, {ex['violations']} over tol, max "
                       f"{ex['max_abs_dlogprob']:.4f}, below index_topk identical {ex['below_topk_identical']}")
+        if part == "v4hs" and "decode_log" in v:
+            d, ex = v["decode_log"], v["exactness"]
+            print(f"   v4hs-decode: {v['finished']}/{v['requests']} finished, {v['errors']} errors, "
+                  f"retracted {d['retractions']} in {d['retraction_events']} events, probe "
+                  f"{v['probe']['ok']}, pools back {v['pools_back']}, tracebacks {d['traceback']}; "
+                  f"check {v['exact_checked']} C4 rows, {v['exact_mismatch']} mismatch "
+                  f"({(v['check'] or {}).get('verdict')}), host misses {v['hisparse_misses']}; "
+                  f"vs colocated: {ex['checked_steps']} steps, {ex['violations']} over tol, max "
+                  f"{ex['max_abs_dlogprob']:.4f}, below index_topk identical {ex['below_topk_identical']}")
         if part == "retract":
             for name in ("pd-retract", "pd-press"):
                 x = v.get(name)

@@ -185,7 +185,7 @@ def test_each_pd_configuration_gets_its_flags(launches, tmp_path):
     made = launches
     args = type("A", (), {"model": "m", "logs": str(tmp_path), "backend": "mooncake_tcp",
                           "check": True, "retract_interval": 50, "server_args": "",
-                          "stagger_s": 0, "parts": set(pd.ESTIMATE_S) - {"v4draft"}})()
+                          "stagger_s": 0, "parts": set(pd.ESTIMATE_S) - {"v4draft", "v4hs"}})()
     nodes = pd.plan_nodes(args)
     assert list(nodes)[0] == "prefill" and len(nodes) == 10
     by = {n: made[i] for i, n in enumerate(nodes)}
@@ -234,6 +234,30 @@ def test_v4draft_runs_a_probed_pair_with_and_without_our_registration(launches, 
             assert by[n][3]["PYTHONPATH"].split(pd.os.pathsep)[0] == str(pd.DRAFTPROBE_DIR)
     assert "DRAFTPROBE_OUT" not in by["v4-colo"][3] and "--disaggregation-mode" not in flags("v4-colo")
     assert "DRAFTPROBE_OUT" not in pd.os.environ  # set only around each launch
+
+
+def test_v4hs_runs_a_hisparse_v4_decode_that_retracts_beside_a_plain_prefill(launches, tmp_path):
+    """Part v4hs: a plain V4 prefill on a bootstrap port of its own, our V4
+    decode with the check and 0.5.13's forced retraction, and a colocated V4
+    reference; every one on the V4 model."""
+    args = type("A", (), {"model": "m", "v4_model": "v4", "logs": str(tmp_path), "backend": "mooncake_tcp",
+                          "check": False, "retract_interval": 30, "server_args": "", "stagger_s": 0,
+                          "parts": {"v4hs"}})()
+    nodes = pd.plan_nodes(args)
+    assert set(nodes) == set(pd.PART_NODES["v4hs"])
+    by = {n: launches[i] for i, n in enumerate(nodes)}
+    flags = lambda n: " ".join(by[n][1])  # noqa: E731
+    assert all(by[n][4] == "v4" for n in nodes)
+    assert by["v4hs-prefill"][0] == by["v4hs-colo"][0] == "base" and by["v4hs-decode"][0] == "ours"
+    assert "--disaggregation-mode prefill" in flags("v4hs-prefill")
+    assert f"--disaggregation-bootstrap-port {pd.V4HS_BOOTSTRAP_PORT}" in flags("v4hs-prefill")
+    assert pd.V4HS_BOOTSTRAP_PORT not in (pd.BOOTSTRAP_PORT, pd.V4_STOCK_BOOTSTRAP_PORT)
+    assert "--disaggregation-mode decode" in flags("v4hs-decode")
+    assert by["v4hs-decode"][2]["check"] is True  # whatever --check says: the proof is the check
+    assert by["v4hs-decode"][3]["SGLANG_TEST_RETRACT"] == "1"
+    assert by["v4hs-decode"][3]["SGLANG_TEST_RETRACT_INTERVAL"] == "30"
+    assert "SGLANG_TEST_RETRACT" not in by["v4hs-prefill"][3]
+    assert "--disaggregation-mode" not in flags("v4hs-colo")
 
 
 def test_draft_windows_pair_the_sides_by_room(tmp_path):
