@@ -342,8 +342,14 @@ def test_pipeline_parallelism_not_supported_yet(ours):
     rejected(ours["pipeline_parallel"], "pipeline parallelism yet", "--pp-size must be 1, got 2")
 
 
-def test_deepseek_v4_on_a_mooncake_pd_decode_node_is_taken(ours):
-    assert ours["pd_decode_deepseek_v4"]["ok"], ours["pd_decode_deepseek_v4"]
+def test_deepseek_v4_on_a_mooncake_pd_decode_node_is_taken_where_retraction_keeps_its_state(ours):
+    from sglang_hisparse.adapter import releases
+
+    if releases.current.dsv4_retraction_keeps_device_state():
+        assert ours["pd_decode_deepseek_v4"]["ok"], ours["pd_decode_deepseek_v4"]
+    else:
+        rejected(ours["pd_decode_deepseek_v4"], "--disaggregation-mode decode",
+                 "C128 compressor state", "supported: sglang 0.5.13 or 0.5.13.post1")
     assert ours["pd_decode_dsa"]["ok"], ours["pd_decode_dsa"]
     rejected(ours["pd_decode_deepseek_v4_nixl"], "DeepSeek-V4 PD decode node",
              "--disaggregation-transfer-backend in", "got nixl")
