@@ -84,9 +84,6 @@ class HiSparseServerArgs:
     # receive into host memory (adapter/releases: decode_host_transfer_backends).
     transfer_backend: str = "mooncake"
     decode_host_transfer_backends: tuple[str, ...] = HOST_TRANSFER_BACKENDS
-    # Whether a retracted DeepSeek-V4 request keeps its device-resident state
-    # on this release (adapter/releases: dsv4_retraction_keeps_device_state).
-    dsv4_retraction_keeps_device_state: bool = True
     # SGLANG_HISPARSE_SHARED_HOST_POOL=1: one host pool per node for the local
     # TP ranks (pools/shared_host_memory.py), and what it must run with.
     shared_host_pool: bool = False
@@ -170,17 +167,10 @@ def find_problems(args: HiSparseServerArgs) -> tuple[list[str], HiSparseConfig |
     # cannot do (hot buffers hold a moving subset of the tokens). Ours keeps
     # the host rows where they are and copies what the forward keeps on the
     # device (DeepSeek-V4: C4 indexer keys and C128 KV by logical page, SWA
-    # window and compressor states by SWA page) to the CPU and back
-    # (policies/retain_on_retract.py, engine/retained_device_state.py).
+    # window and compressor states by SWA page, from 0.5.15 the C128 state by
+    # request slot) to the CPU and back (policies/retain_on_retract.py,
+    # engine/retained_device_state.py).
     if args.model_family is ModelFamily.DEEPSEEK_V4 and args.disaggregation_mode == "decode":
-        if not args.dsv4_retraction_keeps_device_state:
-            problems.append(
-                "--enable-hisparse on DeepSeek-V4 does not support --disaggregation-mode "
-                "decode on this SGLang release yet: a request the decode node retracts "
-                "would lose its C128 compressor state (kept per request since 0.5.15); "
-                "supported: sglang 0.5.13 or 0.5.13.post1, or DeepSeek-V4 without "
-                "--disaggregation-mode decode"
-            )
         # The device tail's page indices travel in Mooncake's metadata only
         # (ours up to 0.5.15.post1, the release's own from 0.5.17).
         if args.transfer_backend not in DEVICE_INDEX_TRANSFER_BACKENDS:

@@ -1210,8 +1210,7 @@ DEPENDS: tuple[Entry, ...] = (
         ("sglang_hisparse.engine.retained_device_state:dsa_indexer_state",),
         tests=("tests/test_pd_node.py",),
     ),
-    # DeepSeek-V4 on a PD decode node: what a retracted request's device state is
-    # (0.5.13's layout; refused from 0.5.15, whose C128 state is per request).
+    # DeepSeek-V4 on a PD decode node: what a retracted request's device state is.
     _depends(
         "sglang.srt.mem_cache.deepseek_v4_memory_pool.DeepSeekV4TokenToKVPool."
         "get_contiguous_buf_infos",
@@ -1219,7 +1218,6 @@ DEPENDS: tuple[Entry, ...] = (
         "logical page",
         ("sglang_hisparse.engine.retained_device_state:dsv4_device_state",),
         tests=("tests/test_dsv4_retract.py",),
-        until="0.5.13.post1",
     ),
     _depends(
         "sglang.srt.mem_cache.deepseek_v4_compress_state.CompressStatePool."
@@ -1227,7 +1225,15 @@ DEPENDS: tuple[Entry, ...] = (
         "a compressor state holds ring_size rows per SWA page (swa_loc // swa_page_size)",
         ("sglang_hisparse.engine.retained_device_state:SwaPages",),
         tests=("tests/test_dsv4_retract.py",),
-        until="0.5.13.post1",
+    ),
+    _depends(
+        "sglang.srt.mem_cache.deepseek_v4_memory_pool.DeepSeekV4TokenToKVPool."
+        "clear_c128_req_state",
+        "the C128 attention state is kept per request slot, ring_size rows a slot "
+        "(its presence is how we tell)",
+        ("sglang_hisparse.engine.retained_device_state:dsv4_device_state",),
+        tests=("tests/test_dsv4_retract.py",),
+        since="0.5.15.post1",
     ),
     _depends(
         f"{_REQ}.load_kv_cache",

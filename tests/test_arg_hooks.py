@@ -342,14 +342,8 @@ def test_pipeline_parallelism_not_supported_yet(ours):
     rejected(ours["pipeline_parallel"], "pipeline parallelism yet", "--pp-size must be 1, got 2")
 
 
-def test_deepseek_v4_on_a_mooncake_pd_decode_node_is_taken_where_retraction_keeps_its_state(ours):
-    from sglang_hisparse.adapter import releases
-
-    if releases.current.dsv4_retraction_keeps_device_state():
-        assert ours["pd_decode_deepseek_v4"]["ok"], ours["pd_decode_deepseek_v4"]
-    else:
-        rejected(ours["pd_decode_deepseek_v4"], "--disaggregation-mode decode",
-                 "C128 compressor state", "supported: sglang 0.5.13 or 0.5.13.post1")
+def test_deepseek_v4_on_a_mooncake_pd_decode_node_is_taken(ours):
+    assert ours["pd_decode_deepseek_v4"]["ok"], ours["pd_decode_deepseek_v4"]
     assert ours["pd_decode_dsa"]["ok"], ours["pd_decode_dsa"]
     rejected(ours["pd_decode_deepseek_v4_nixl"], "DeepSeek-V4 PD decode node",
              "--disaggregation-transfer-backend in", "got nixl")
@@ -472,12 +466,6 @@ def test_rules_take_deepseek_v4_on_a_pd_decode_node():
     for mode in ("null", "prefill", "decode"):
         assert find_problems(_dsa_args(**v4, disaggregation_mode=mode))[0] == [], mode
     assert find_problems(_dsa_args(disaggregation_mode="decode"))[0] == []
-    # a release whose V4 device state the retraction does not keep (0.5.15's
-    # C128 compressor state is per request)
-    (problem,) = find_problems(_dsa_args(**v4, disaggregation_mode="decode",
-                                         dsv4_retraction_keeps_device_state=False))[0]
-    assert "--disaggregation-mode decode" in problem and "C128 compressor state" in problem
-    assert "supported: sglang 0.5.13 or 0.5.13.post1" in problem
 
 
 def test_rules_name_the_device_index_transport_for_deepseek_v4_decode():

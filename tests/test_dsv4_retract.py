@@ -22,19 +22,14 @@ from dataplane_fixtures import (
     chunk_cache, decode_node_server_args, decode_step, dsv4_pool, kv_allocated_len, make_req,
     our_c4_pool_as_native, pre_alloc, release, req_pool,
 )
-from sglang_hisparse.adapter import releases
 from sglang_hisparse.engine.policies.retain_on_retract import RetainedHostKV
 from sglang_hisparse.kernels import reference
-
-pytestmark = pytest.mark.skipif(
-    not releases.current.dsv4_retraction_keeps_device_state(),
-    reason="this release keeps V4's C128 compressor state per request (from 0.5.15), which the "
-           "retraction does not save: the arg rules refuse a V4 PD decode node there")
 
 PS = 256  # full and SWA page (0.5.13's mixin asserts the SWA page is 256)
 FULL, SWA, C4_DEV = 8192, 4096, 1024
 HOT, TOPK = 128, 16  # in C4 tokens
-STATE_ROWS = SWA // PS * 128  # ring rows per SWA page, the C128 ring the largest
+STATE_ROWS = SWA // PS * 128  # ring rows per SWA page (or request slot), the C128 ring the largest
+RATIOS = [0, 4, 128, 4]
 WINDOW = 128  # DeepSeek-V4's sliding window
 
 
@@ -65,7 +60,7 @@ class V4PDEnv:
         from sglang_hisparse.pools.allocator_c4 import DSV4HiSparseAllocator
 
         with our_c4_pool_as_native():
-            self.pool = dsv4_pool(compression_ratios=[0, 4, 128, 4], swa_size=SWA,
+            self.pool = dsv4_pool(compression_ratios=RATIOS, swa_size=SWA,
                                   c4_size=C4_DEV, c128_size=FULL // 128,
                                   state_pool_size=STATE_ROWS, page_size=PS, enable_hisparse=True)
         swa = SWATokenToKVPoolAllocator(FULL, SWA, page_size=PS, dtype=torch.uint8, device="cpu",
@@ -84,14 +79,30 @@ class V4PDEnv:
         return (list(p.c4_indexer_kv_pool.index_k_with_scale_buffer)
                 + list(p.c128_kv_pool.kv_buffer))
 
-    def by_swa_page(self):
-        """(buffer, rows per SWA page) of the SWA KV and every compressor state."""
+    def _states(self):
+        """(state, kept per request slot) of every compressor state: the C128
+        attention state is per request from 0.5.15 (the pool clears it by
+        slot), per SWA page before, as every other state."""
         p = self.pool
-        states = [s for s in list(p.compress_state_pools) + list(p.indexer_compress_state_pools)
-                  if s is not None]
-        assert len(states) == 5  # attention: two C4 layers, one C128; indexer: the C4 layers
-        return ([(b, 0) for b in p.swa_kv_pool.kv_buffer]
-                + [(s.kv_score_buffer.kv_score, s.ring_size) for s in states])
+        per_request = hasattr(p, "clear_c128_req_state")
+        out = []
+        for layer, ratio in enumerate(RATIOS):
+            attention, indexer = p.compress_state_pools[layer], p.indexer_compress_state_pools[layer]
+            if attention is not None:
+                out.append((attention, per_request and ratio == 128))
+            if indexer is not None:
+                out.append((indexer, False))
+        assert len(out) == 5  # attention: two C4 layers, one C128; indexer: the C4 layers
+        return out
+
+    def by_swa_page(self):
+        """(buffer, rows per SWA page) of the SWA KV and the states kept by SWA page."""
+        return ([(b, 0) for b in self.pool.swa_kv_pool.kv_buffer]
+                + [(s.kv_score_buffer.kv_score, s.ring_size) for s, slot in self._states() if not slot])
+
+    def by_slot(self):
+        """(buffer, rows per request slot) of the states kept per request."""
+        return [(s.kv_score_buffer.kv_score, s.ring_size) for s, slot in self._states() if slot]
 
     @staticmethod
     def _rows(page, ring):
@@ -122,21 +133,26 @@ class V4PDEnv:
         for j, (buf, ring) in enumerate(self.by_swa_page()):
             for pos, page in self.swa_pages(req, n).items():
                 buf[self._rows(page, ring)] = self.value(100 + j, pos)
+        for j, (buf, ring) in enumerate(self.by_slot()):
+            buf[self._rows(req.req_pool_idx, ring)] = self.value(200 + j, 0)
 
     def device_state_matches(self, req, positions, n):
         ok = all(bool((buf[page] == self.value(j, pos)).all())
                  for j, buf in enumerate(self.by_logical_page())
                  for pos, page in self.logical_pages(req, n).items())
         pages = self.swa_pages(req, n)
-        return ok and all(
+        ok = ok and all(
             bool((buf[self._rows(pages[pos], ring)] == self.value(100 + j, pos)).all())
             for j, (buf, ring) in enumerate(self.by_swa_page()) for pos in positions)
+        return ok and all(
+            bool((buf[self._rows(req.req_pool_idx, ring)] == self.value(200 + j, 0)).all())
+            for j, (buf, ring) in enumerate(self.by_slot()))
 
     def scrub_device_state(self):
         """Every device-resident byte overwritten: only a restore brings it back."""
         for buf in self.by_logical_page():
             buf.fill_(0xEE)
-        for buf, _ in self.by_swa_page():
+        for buf, _ in self.by_swa_page() + self.by_slot():
             buf.fill_(-7)
 
     # ------------------------------------------------------------ lifecycle
@@ -195,14 +211,15 @@ def test_a_retracted_v4_request_resumes_with_its_device_state(server_args, promp
     req.output_ids = array("q", [7] * (steps + 1))
     need = prompt + steps  # SGLang's snapshot length: seqlen - 1
     window = range(max(0, need - WINDOW), need)
-    old_logical = env.logical_pages(req, need)
+    old_logical, old_slot = env.logical_pages(req, need), req.req_pool_idx
     assert env.device_state_matches(req, window, need)
 
     env.retract(req, server_args)
 
     kept = req.kv_cache_cpu
     assert isinstance(kept, RetainedHostKV) and kept.num_tokens == need
-    logical, swa = kept.device_state
+    logical, swa, *per_slot = kept.device_state
+    assert len(per_slot) == (1 if env.by_slot() else 0)  # 0.5.15 on: the C128 state by slot
     assert logical.keys.tolist() == list(range(0, need, PS))
     assert set(window) <= {p for k in swa.keys.tolist() for p in range(k, k + PS)}
     # the C4 rows are on host, the newest closed group included
@@ -218,7 +235,7 @@ def test_a_retracted_v4_request_resumes_with_its_device_state(server_args, promp
     other = env.admit("other", 600)
     env.scrub_device_state()
     pre_alloc(env.r2t, env.alloc, env.coord, req)  # resume_retracted_reqs: new slots
-    assert env.logical_pages(req, need) != old_logical
+    assert env.logical_pages(req, need) != old_logical and req.req_pool_idx != old_slot
     assert not env.device_state_matches(req, window, need)
 
     req.load_kv_cache(env.r2t, env.alloc)
@@ -252,3 +269,27 @@ def test_an_abort_while_retracted_returns_every_slot(server_args):
     env.coord.release_retained(kept)
     assert kept.rows is None and kept.device_state == ()
     assert env.drained()
+
+
+def test_the_request_slot_rows_are_the_rows_sglang_clears_for_a_slot():
+    """From 0.5.15 the C128 attention state is the request slot's:
+    ``RequestSlotRows`` must name exactly the rows the release's own
+    ``clear_c128_req_state`` resets for that slot (0.5.13: no such state)."""
+    from sglang_hisparse.engine.retained_device_state import dsv4_device_state
+
+    with our_c4_pool_as_native():
+        pool = dsv4_pool(compression_ratios=RATIOS, swa_size=SWA, c4_size=C4_DEV,
+                         c128_size=FULL // 128, state_pool_size=STATE_ROWS, page_size=PS,
+                         enable_hisparse=True)
+    state = dsv4_device_state(pool, lambda ids: ids)
+    by_slot = [g for g in state.groups if g.__class__.__name__ == "RequestSlotRows"]
+    if not hasattr(pool, "clear_c128_req_state"):
+        assert by_slot == []
+        pytest.skip("this release keeps every compressor state by SWA page")
+    (group,) = by_slot
+    (buf,) = group.buffers
+    buf.fill_(5.0)
+    pool.clear_c128_req_state(3)
+    changed = torch.nonzero((buf != 5.0).any(dim=-1)).flatten()
+    (rows,) = group.rows(torch.zeros(0, dtype=torch.int64), group.keys(None), 3)
+    assert changed.tolist() == rows.tolist()

@@ -60,6 +60,9 @@ def test_every_pin_hashes_every_entry_and_the_manifest_reads_them():
         "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator."
         "_build_token_to_kv_pool_allocator",
         "sglang.srt.disaggregation.decode.alloc_for_decode_prealloc_hisparse",
+        # DeepSeek-V4's request-scoped C128 state (0.5.15 on), which a retracted
+        # request takes to its new slot.
+        "sglang.srt.mem_cache.deepseek_v4_memory_pool.DeepSeekV4TokenToKVPool.clear_c128_req_state",
     }
     # The installed release is what its pin says, entry by entry (at the
     # place the pin records for a moved one).

@@ -97,7 +97,6 @@ def hisparse_server_args(
         disaggregation_mode=str(server_args.disaggregation_mode),
         transfer_backend=str(server_args.disaggregation_transfer_backend),
         decode_host_transfer_backends=releases.current.decode_host_transfer_backends(),
-        dsv4_retraction_keeps_device_state=releases.current.dsv4_retraction_keeps_device_state(),
         shared_host_pool=shared_host_pool_requested(),
         nnodes=int(server_args.nnodes),
         enable_dp_attention=bool(server_args.enable_dp_attention),

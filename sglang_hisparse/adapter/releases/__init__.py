@@ -43,10 +43,6 @@ Every module offers the same names:
   (0.5.14's one buffer per layer with the SWA window as a per-request ring);
 * ``decode_host_transfer_backends()`` - the ``--disaggregation-transfer-backend``
   values whose decode side can receive into HiSparse's host pool.
-* ``dsv4_retraction_keeps_device_state()`` - whether a DeepSeek-V4 request
-  that a PD decode node retracts keeps every device-resident state
-  (``engine/retained_device_state.py``: all of it by logical or SWA page, as
-  0.5.13 lays it out);
 * ``override_server_args(server_args, source, fields)`` - change server
   arguments after their resolution, so that the checks read the new values
   (0.5.17's ``ServerArgs`` is read-only then: ``ServerArgs.override``);

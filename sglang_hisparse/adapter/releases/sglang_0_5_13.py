@@ -91,14 +91,6 @@ def dsv4_kv_mode(pool) -> str:
     return "paged"
 
 
-def dsv4_retraction_keeps_device_state() -> bool:
-    # 0.5.13 keeps a V4 request's device state by logical page (C4 indexer,
-    # C128 KV) and by SWA page (SWA KV, every compressor state: ring_size
-    # rows per SWA page, deepseek_v4_compress_state.py:135-141), which
-    # engine/retained_device_state.py saves and restores.
-    return True
-
-
 def decode_host_transfer_backends() -> tuple[str, ...]:
     """--disaggregation-transfer-backend values a HiSparse PD decode node can
     receive its KV with (into the pinned host pool). 0.5.13's NIXL registers

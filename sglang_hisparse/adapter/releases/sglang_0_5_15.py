@@ -115,14 +115,6 @@ def dsv4_kv_mode(pool) -> str:
     return "unified" if pool._unified_kv else "paged"
 
 
-def dsv4_retraction_keeps_device_state() -> bool:
-    # 0.5.15.post1 keeps the C128 compressor state per request
-    # (get_c128_state_buf_infos, clear_c128_req_state, the PD transfer's
-    # C128_STATE component), not per SWA page: retained_device_state does
-    # not save it yet, so a V4 PD decode node is refused there.
-    return False
-
-
 def decode_host_transfer_backends() -> tuple[str, ...]:
     # 0.5.15.post1 tells NIXL which KV buffers are host memory: the decode
     # marks HiSparse's host pool "DRAM" (decode.py:408-412, kv_data_mem_kinds,

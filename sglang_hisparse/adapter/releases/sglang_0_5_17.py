@@ -44,7 +44,6 @@ from sglang_hisparse.adapter.releases.sglang_0_5_15 import (  # noqa: F401
     decode_host_transfer_backends,
     dsa_backend_defaults,
     dsv4_kv_mode,
-    dsv4_retraction_keeps_device_state,
     native_max_token_pool_size,
     prefill_len,
     set_prefill_range,

@@ -162,7 +162,7 @@ class RetainOnRetract:
         coord.req_to_host_pool[idx, :] = -1
         coord.req_to_host_pool_allocated_len[idx] = 0
         # (before_release above ordered this after the forward that wrote them)
-        state = self.device_state.save(coord.req_to_token_pool.req_to_token[idx, :need])
+        state = self.device_state.save(coord.req_to_token_pool.req_to_token[idx, :need], idx)
         self._pending = RetainedHostKV(req.rid, need, rows, alloc_len, req, state)
         coord.request_finished(req)  # hot buffer, device rows; no host rows left to free
 
@@ -209,7 +209,7 @@ class RetainOnRetract:
                 f"HiSparse: {kept.rid} resumes with {len(token_indices)} tokens, "
                 f"retained {kept.num_tokens}")
         if kept.device_state:
-            self.device_state.load(kept.device_state, token_indices)
+            self.device_state.load(kept.device_state, token_indices, kept.req.req_pool_idx)
             kept.device_state = ()
         self.coord.admit_request_direct(kept.req)
 
