@@ -566,6 +566,36 @@ def part_exact(nodes, results, args):
     return verdict
 
 
+def decode_pdretract(node, prefill, ref, args, checked: bool,
+                     bootstrap_port: int = BOOTSTRAP_PORT, router_port: int = 32100):
+    """``pdretract`` through a router to ``prefill`` and the decode ``node``,
+    then a probe: (the run, what it shows against ``ref``, the node's decode
+    log from its start and since the run began, and its counters if ``checked``)."""
+    router = Router(free_port(router_port), node.url, prefill.url, bootstrap_port=bootstrap_port)
+    try:
+        mark = node.mark()
+        got = run(router.url, "pdretract")
+        probe = probe_after(router.url)
+        if checked:
+            e2e.flush_counters(router.url)
+            time.sleep(1.0)
+    finally:
+        router.close()
+    facts = decode_facts(node.text(mark), node.text())
+    stats = e2e.log_stats(node.log, 0) if checked else {}
+    return got, {
+        "exactness": exactness(ref, got, args), "errors": len(got["errors"]),
+        "requests": len(got["requests"]),
+        "finished": sum(1 for q in got["requests"]
+                        if (q.get("finish_reason") or {}).get("type") == "length"),
+        "decode_log": facts, "probe": probe, "pools_back": pools_back(facts),
+        "check": e2e.check_verdict("ours", stats) if checked else None,
+        "exact_checked": stats.get("exact_checked"), "exact_mismatch": stats.get("exact_mismatch"),
+        "hisparse_misses": stats.get("hisparse_misses"),
+        "waited_in_prealloc": bool(facts["max_prealloc_req"]),
+    }
+
+
 def part_retract(nodes, results, args):
     verdict = {}
     ref = results.get("colo-base", {}).get("pdretract")
@@ -576,34 +606,13 @@ def part_retract(nodes, results, args):
     colo.stop()
     for name in ("pd-retract", "pd-press"):
         node = nodes[name]
-        router = Router(free_port(32100), node.url, nodes["prefill"].url)
         checked = name == "pd-retract" and args.check
-        try:
-            mark = node.mark()
-            got = run(router.url, "pdretract")
-            probe = probe_after(router.url)
-            if checked:
-                e2e.flush_counters(router.url)
-                time.sleep(1.0)
-        finally:
-            router.close()
-        facts = decode_facts(node.text(mark), node.text())
-        stats = e2e.log_stats(node.log, 0) if checked else {}
-        results[name] = {"pdretract": got}
-        ex = exactness(ref, got, args)
-        verdict[name] = {
-            "exactness": ex, "errors": len(got["errors"]), "requests": len(got["requests"]),
-            "finished": sum(1 for q in got["requests"] if (q.get("finish_reason") or {}).get("type")
-                            == "length"),
-            "decode_log": facts, "probe": probe, "pools_back": pools_back(facts),
-            "check": e2e.check_verdict("ours", stats) if checked else None,
-            "exact_checked": stats.get("exact_checked"), "exact_mismatch": stats.get("exact_mismatch"),
-            "waited_in_prealloc": bool(facts["max_prealloc_req"]),
-        }
+        got, v = decode_pdretract(node, nodes["prefill"], ref, args, checked)
+        results[name], verdict[name] = {"pdretract": got}, v
         node.stop()
-        v = verdict[name]
+        facts, ex = v["decode_log"], v["exactness"]
         v["ok"] = (v["errors"] == 0 and v["finished"] == 8
-                   and ex["violations"] == 0 and probe["ok"] and v["pools_back"] is True
+                   and ex["violations"] == 0 and v["probe"]["ok"] and v["pools_back"] is True
                    and not facts["traceback"])
         if name == "pd-retract":
             v["ok"] = (v["ok"] and facts["retractions"] > 0
@@ -785,30 +794,13 @@ def part_v4hs(nodes, results, args):
     colo = nodes["v4hs-colo"]
     ref = run(colo.url, "pdretract")
     colo.stop()
-    dec = nodes["v4hs-decode"]
-    router = Router(free_port(32500), dec.url, nodes["v4hs-prefill"].url,
-                    bootstrap_port=V4HS_BOOTSTRAP_PORT)
-    try:
-        mark = dec.mark()
-        got = run(router.url, "pdretract")
-        probe = probe_after(router.url)
-        e2e.flush_counters(router.url)
-        time.sleep(1.0)
-    finally:
-        router.close()
+    got, v = decode_pdretract(nodes["v4hs-decode"], nodes["v4hs-prefill"], ref, args, True,
+                              bootstrap_port=V4HS_BOOTSTRAP_PORT, router_port=32500)
     results["v4hs-colo"], results["v4hs-decode"] = {"pdretract": ref}, {"pdretract": got}
-    facts = decode_facts(dec.text(mark), dec.text())
-    stats = e2e.log_stats(dec.log, 0)
-    ex = exactness(ref, got, args)
-    v = {"exactness": ex, "errors": len(got["errors"]), "requests": len(got["requests"]),
-         "finished": sum(1 for q in got["requests"]
-                         if (q.get("finish_reason") or {}).get("type") == "length"),
-         "decode_log": facts, "probe": probe, "pools_back": pools_back(facts),
-         "check": e2e.check_verdict("ours", stats), "exact_checked": stats.get("exact_checked"),
-         "exact_mismatch": stats.get("exact_mismatch"), "hisparse_misses": stats.get("hisparse_misses")}
+    facts, ex = v["decode_log"], v["exactness"]
     v["ok"] = (v["errors"] == 0 and v["finished"] == len(ref["requests"]) > 0
                and facts["retractions"] > 0 and not facts["traceback"]
-               and not facts["transfer_failed"] and probe["ok"] and v["pools_back"] is True
+               and not facts["transfer_failed"] and v["probe"]["ok"] and v["pools_back"] is True
                and (v["check"] or {}).get("check_ok") is True
                and ex["below_topk_identical"] is True)
     return v

@@ -319,7 +319,7 @@ def _part_retract(monkeypatch, retract_log, press_log, check=True, checked=(100,
     monkeypatch.setattr(pd, "run", lambda url, w: finished)
     monkeypatch.setattr(pd, "probe_after", lambda url: {"ok": True})
     monkeypatch.setattr(pd, "exactness", lambda ref, got, args: {"violations": 0})
-    monkeypatch.setattr(pd, "Router", lambda *a: type("R", (), {"url": "r", "close": lambda s: None})())
+    monkeypatch.setattr(pd, "Router", lambda *a, **kw: type("R", (), {"url": "r", "close": lambda s: None})())
     monkeypatch.setattr(pd.e2e, "flush_counters", lambda url: None)
     monkeypatch.setattr(pd.time, "sleep", lambda s: None)
     monkeypatch.setattr(pd.e2e, "log_stats", lambda log, start: {
@@ -347,6 +347,26 @@ def test_retract_verdict_pd_press_waits_in_the_prealloc_queue_without_retracting
     crash = LOG + "Traceback (most recent call last):\nRuntimeError: y\n"
     v = _part_retract(monkeypatch, LOG, crash)
     assert v["ok"] and not v["pd-press"]["ok"]
+
+
+def test_v4hs_verdict_needs_retractions_an_exact_check_and_the_reference_below_topk(monkeypatch):
+    """part_v4hs through the same stand-ins as part_retract: our V4 decode's
+    log must show retractions, its check 0 mismatches, every request finish."""
+    def v4hs(log, checked=(100, 0), below_topk=True):
+        _part_retract(monkeypatch, "", "", checked=checked)  # installs the stand-ins
+        monkeypatch.setattr(pd, "exactness", lambda ref, got, args: {
+            "violations": 0, "below_topk_identical": below_topk})
+        nodes = {n: _LogNode(n, log if n == "v4hs-decode" else "")
+                 for n in ("v4hs-colo", "v4hs-prefill", "v4hs-decode")}
+        return pd.part_v4hs(nodes, {}, type("A", (), {"check": True})())
+
+    no_retraction = BENIGN_STARTUP + "\n".join(
+        line for line in LOG.splitlines() if "etract" not in line.split("Decode batch")[0])
+    v = v4hs(BENIGN_STARTUP + LOG)
+    assert v["ok"] and v["decode_log"]["retractions"] > 0 and v["finished"] == 8
+    assert not v4hs(no_retraction)["ok"]
+    assert not v4hs(BENIGN_STARTUP + LOG, checked=(100, 3))["ok"]
+    assert not v4hs(BENIGN_STARTUP + LOG, below_topk=False)["ok"]
 
 
 def _part_exact(monkeypatch, ours_capacity_max, wide_capacity_max):

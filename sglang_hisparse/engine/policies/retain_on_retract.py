@@ -106,15 +106,10 @@ class RetainOnRetract:
         self._pending: Optional[RetainedHostKV] = None
         # Retained KV SGLang holds (retracted queue), by id, in retraction order.
         self._kept: dict = {}
-        self._device_state: Optional[RetainedDeviceState] = None
-
-    @property
-    def device_state(self) -> RetainedDeviceState:
-        """The model's device-resident buffers (built on first use: the
-        coordinator's pools are complete by then)."""
-        if self._device_state is None:
-            self._device_state = retained_device_state(self.coord)
-        return self._device_state
+        # The model's device-resident buffers (the coordinator's pools are
+        # built before its policies); only a PD decode node retracts to host.
+        self.device_state: Optional[RetainedDeviceState] = (
+            retained_device_state(coord) if enabled else None)
 
     def kept(self):
         """The retained KV of every retracted request (rows still held)."""
