@@ -46,6 +46,8 @@ Configurations:
           path)
   stock   0.5.13 as shipped, plugin not loaded (expected to crash at the
           first decode step)
+  bare    base with every plugin but ours (SGLang alone, no HiSparse): what
+          a server without this package does, e.g. pd_gpu.py's stock V4 pair
   plain   base without speculative decoding: with --mtp every other
           configuration runs MTP, plain decodes one token a step; its
           outputs are what greedy MTP must reproduce (the summary compares
@@ -249,11 +251,11 @@ WORKLOAD_ENV = {"drain": {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTER
 
 CONFIGS = ("base", "native", "ours", "nopark", "stream", "nostream", "noio", "sync", "warp", "prio16",
            "prio0", "nograph",
-           "nores", "stock", "ref", "plain", "base2")
+           "nores", "stock", "ref", "plain", "base2", "bare")
 # Configurations that do not run this package's data plane: no --check for
 # them (stock runs 0.5.13's own HiSparse, so it still gets
-# --enable-hisparse; base, base2 and plain do not).
-NO_HISPARSE = ("base", "base2", "stock", "plain")
+# --enable-hisparse; base, base2, plain and bare do not).
+NO_HISPARSE = ("base", "base2", "stock", "plain", "bare")
 # Configurations whose server runs this work tree's data plane, and what
 # --check must find in them: noio skips the host copies, a planted fault.
 CHECK_EXPECT = {"ours": "exact", "nopark": "exact", "stream": "exact", "nostream": "exact", "sync": "exact",
@@ -376,7 +378,7 @@ def server_cmd(model: str, port: int, config: str, extra: list[str],
     if "--max-total-tokens" not in extra:
         args += ["--max-total-tokens", "131072"]
     args += extra
-    if config not in ("base", "base2", "plain"):
+    if config not in ("base", "base2", "plain", "bare"):
         args += ["--enable-hisparse", "--hisparse-config", json.dumps(hs_config or ARCH_HS_CONFIG[arch])]
     if check and config not in NO_HISPARSE:
         env[CHECK_ENV] = "1"
@@ -411,7 +413,7 @@ def server_cmd(model: str, port: int, config: str, extra: list[str],
         args += ["--disable-cuda-graph"]
     if config == "nores":
         env["SGLANG_HISPARSE_RESIDENCY"] = "0"
-    if config == "stock":
+    if config in ("stock", "bare"):
         # SGLang's own whitelist: every plugin but ours (test weights stay),
         # the diagnostic ones this command puts on the server's PYTHONPATH too.
         from importlib.metadata import distributions, entry_points

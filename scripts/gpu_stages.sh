@@ -85,6 +85,9 @@
 #             GF_STREAM_WORKLOAD (decodebound: 16 x 32K x 1024 out at
 #             --max-total-tokens 72000), one launch each; the gap table's
 #             "worst gap / own median" is the target (<= 10 for stream).
+#             GF_STREAM_TOGETHER=1: the configs' servers start at once and
+#             take turns (e2e_gpu.py --together, GF_STREAM_INNER rounds):
+#             one start-up for all, which a cold machine needs (~190 s).
 #             ~1.5-2 min per launch warm.
 #   kbench    the swap-in kernel alone (waits for bg-tests): bench_kernels.py
 #             --quick (ours vs the gather floor and 0.5.13's, batch 1/32, miss
@@ -789,8 +792,10 @@ bound_cmd() {
 }
 
 stream_cmd() {
+  local together=()
+  [ "${GF_STREAM_TOGETHER:-0}" = 1 ] && together=(--together --inner-repeats "${GF_STREAM_INNER:-1}")
   "${E2E[@]}" --configs "${GF_STREAM_CONFIGS:-stream,ours,base}" \
-    --workloads "${GF_STREAM_WORKLOAD:-decodebound}" --warmup 0 "${CPU_ARGS[@]}" \
+    --workloads "${GF_STREAM_WORKLOAD:-decodebound}" --warmup 0 "${CPU_ARGS[@]}" "${together[@]}" \
     --out "$RUN/stream.json" --logs "$RUN/stream"
 }
 

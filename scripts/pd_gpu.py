@@ -76,7 +76,8 @@ covers its estimate, and the JSON is rewritten after each):
   v4draft  (not in the default; issue #19 item 4) DeepSeek-V4 (``--v4-model``,
            tests/data/tiny-dsv4) with linear EAGLE on both sides: a pair with
            our plugin (the draft's SWA state registered for the transfer), a
-           stock pair (every plugin but ours: 0.5.13 leaves it out) on its own
+           stock pair (e2e's bare: every plugin but ours, no HiSparse; 0.5.13
+           leaves it out) on its own
            bootstrap port, and a colocated V4 + EAGLE reference, on ``smoke``.
            scripts/draftprobe records each side's digest of the request's draft
            SWA window: equal for every request in ours, different for every
@@ -149,7 +150,7 @@ HS_TIGHT = {"top_k": INDEX_TOPK, "device_buffer_size": 2048, "host_to_device_rat
 
 # Part v4draft (issue #19 item 4): DeepSeek-V4 with linear EAGLE on both PD
 # sides, and scripts/draftprobe (a diagnostic plugin) recording the draft SWA
-# window's digest as each side holds it. The stock pair (config stock: every
+# window's digest as each side holds it. The stock pair (config bare: every
 # plugin but ours, so 0.5.13's registration alone) has its own bootstrap port.
 V4_MODEL = Path(__file__).resolve().parent.parent / "tests" / "data" / "tiny-dsv4"
 V4_MTP = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "1",
@@ -829,8 +830,8 @@ def v4draft_specs(args) -> dict:
         "v4-prefill": ("base", V4_MTP + prefill_flags(args), ours),
         "v4-decode": ("base", V4_MTP + SHORT_FLAGS + decode_flags(args), ours),
         "v4-colo": ("base", V4_MTP + SHORT_FLAGS, {}),
-        "v4-prefill-stock": ("stock", V4_MTP + prefill_flags(args, V4_STOCK_BOOTSTRAP_PORT), stock),
-        "v4-decode-stock": ("stock", V4_MTP + SHORT_FLAGS + decode_flags(args), stock),
+        "v4-prefill-stock": ("bare", V4_MTP + prefill_flags(args, V4_STOCK_BOOTSTRAP_PORT), stock),
+        "v4-decode-stock": ("bare", V4_MTP + SHORT_FLAGS + decode_flags(args), stock),
     }
 
 

@@ -224,7 +224,7 @@ def test_v4draft_runs_a_probed_pair_with_and_without_our_registration(launches, 
     assert all(by[n][4] == "v4" and "--speculative-algorithm EAGLE" in flags(n)
                and "--speculative-eagle-topk 1" in flags(n) for n in nodes)
     assert by["v4-prefill"][0] == by["v4-decode"][0] == by["v4-colo"][0] == "base"
-    assert by["v4-prefill-stock"][0] == by["v4-decode-stock"][0] == "stock"
+    assert by["v4-prefill-stock"][0] == by["v4-decode-stock"][0] == "bare"
     assert "--disaggregation-bootstrap-port 8998" in flags("v4-prefill")
     assert "--disaggregation-bootstrap-port 8999" in flags("v4-prefill-stock")
     for pair, names in (("registered", ("v4-prefill", "v4-decode")),
@@ -270,13 +270,16 @@ def test_draft_windows_pair_the_sides_by_room(tmp_path):
         "requests": 2, "equal": 1, "differ": 1, "one_side_only": 1}
 
 
-def test_stock_keeps_the_diagnostic_plugins_on_the_servers_path(monkeypatch):
-    """Config stock whitelists every plugin but ours, including one that only
-    the server's PYTHONPATH holds (scripts/draftprobe)."""
+@pytest.mark.parametrize("config", ["stock", "bare"])
+def test_stock_keeps_the_diagnostic_plugins_on_the_servers_path(monkeypatch, config):
+    """Configs stock and bare whitelist every plugin but ours, including one
+    that only the server's PYTHONPATH holds (scripts/draftprobe); bare runs
+    without HiSparse, stock with 0.5.13's own."""
     monkeypatch.setenv("PYTHONPATH", str(pd.DRAFTPROBE_DIR))
-    _, env = pd.e2e.server_cmd("tests/data/tiny-dsv32", 30010, "stock", [])
+    cmd, env = pd.e2e.server_cmd("tests/data/tiny-dsv32", 30010, config, [])
     plugins = env["SGLANG_PLUGINS"].split(",")
     assert "hisparse_draftprobe" in plugins and "sglang_hisparse" not in plugins
+    assert ("--enable-hisparse" in cmd) is (config == "stock")
 
 
 # 0.5.13's start-up lines without openai_harmony (every server of the third GPU session)
