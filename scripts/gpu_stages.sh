@@ -815,7 +815,10 @@ pd_cmd() {  # the stage's limit in $1 (s): pd_gpu.py keeps ~40 s of it for stopp
   if [[ ,${GF_PD_PARTS:-}, == *,v4draft,* || ,${GF_PD_PARTS:-}, == *,v4hs,* ]]; then
     source scripts/dsv4_env.sh .bundle/dsv4.tar.xz || return 1
   fi
+  # GF_PD_SERVER_ARGS: flags for every server (e.g. "--mem-fraction-static 0.6"
+  # when more servers than usual share an 80 GB card: see e2e's PARALLEL_MEM_FRACTION)
   python3 scripts/pd_gpu.py --parts "${GF_PD_PARTS:-exact,retract,faults,capacity}" \
+    --server-args "${GF_PD_SERVER_ARGS:-}" \
     --budget-s $(( $1 - 40 )) --out "$RUN/pd.json" --logs "$RUN/pd"
 }
 
