@@ -170,7 +170,9 @@
 #             Mooncake's and the JIT cache; then the kit). GF_PD_PARTS=v4hs
 #             (#19 item 4, not run yet): DeepSeek-V4 with HiSparse on the
 #             decode node, forced retraction and the check, against a
-#             colocated V4; the same carries.
+#             colocated V4; the same carries. GF_PD_SERVER_ARGS: flags for
+#             every server (both V4 parts at once are eight servers: give
+#             them "--mem-fraction-static 0.6" on an 80 GB card).
 #   indexshare  IndexShare prefetch (#20): its GPU tests
 #             (tests/test_index_share_gpu.py and the copy-only kernel's
 #             replay test) in the background while e2e_gpu.py serves the kit
