@@ -77,8 +77,8 @@ covers its estimate, and the JSON is rewritten after each):
            tests/data/tiny-dsv4) with linear EAGLE on both sides: a pair with
            our plugin (the draft's SWA state registered for the transfer), a
            stock pair (e2e's bare: every plugin but ours, no HiSparse; 0.5.13
-           leaves it out) on its own
-           bootstrap port, and a colocated V4 + EAGLE reference, on ``smoke``.
+           leaves it out) on its own bootstrap port, and a colocated V4 + EAGLE
+           reference, on ``smoke``.
            scripts/draftprobe records each side's digest of the request's draft
            SWA window: equal for every request in ours, different for every
            one in stock; ours' outputs identical to the reference below
