@@ -252,10 +252,11 @@ WORKLOAD_ENV = {"drain": {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTER
 CONFIGS = ("base", "native", "ours", "nopark", "stream", "nostream", "noio", "sync", "warp", "prio16",
            "prio0", "nograph",
            "nores", "stock", "ref", "plain", "base2", "bare")
+# Configurations launched without --enable-hisparse.
+WITHOUT_HISPARSE_FLAG = ("base", "base2", "plain", "bare")
 # Configurations that do not run this package's data plane: no --check for
-# them (stock runs 0.5.13's own HiSparse, so it still gets
-# --enable-hisparse; base, base2, plain and bare do not).
-NO_HISPARSE = ("base", "base2", "stock", "plain", "bare")
+# them (stock runs 0.5.13's own HiSparse, so it still gets --enable-hisparse).
+NO_HISPARSE = WITHOUT_HISPARSE_FLAG + ("stock",)
 # Configurations whose server runs this work tree's data plane, and what
 # --check must find in them: noio skips the host copies, a planted fault.
 CHECK_EXPECT = {"ours": "exact", "nopark": "exact", "stream": "exact", "nostream": "exact", "sync": "exact",
@@ -378,7 +379,7 @@ def server_cmd(model: str, port: int, config: str, extra: list[str],
     if "--max-total-tokens" not in extra:
         args += ["--max-total-tokens", "131072"]
     args += extra
-    if config not in ("base", "base2", "plain", "bare"):
+    if config not in WITHOUT_HISPARSE_FLAG:
         args += ["--enable-hisparse", "--hisparse-config", json.dumps(hs_config or ARCH_HS_CONFIG[arch])]
     if check and config not in NO_HISPARSE:
         env[CHECK_ENV] = "1"
