@@ -326,7 +326,7 @@ BUDGET_S=${GF_BUDGET_S:-570}
 REPO=$(pwd)
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 WORK=${TMPDIR:-/tmp}/gpu_stages
-RUN=$WORK/run_$(date +%Y%m%d_%H%M%S)
+RUN=$WORK/run_$(date +%Y%m%d_%H%M%S)_$$
 mkdir -p "$RUN"
 SUMMARY=$OUT/summary.txt
 : > "$SUMMARY"
@@ -361,11 +361,11 @@ finish() {
     fi
   fi
   say "== total $(elapsed) s (budget $BUDGET_S s)"
-  tar -C "$RUN" -cJf "$OUT/gf_logs.tar.xz" . 2>/dev/null
+  tar -C "$RUN" --exclude=./proj -cJf "$OUT/gf_logs.tar.xz" . 2>/dev/null
   if [ "$(stat -c %s "$OUT/gf_logs.tar.xz" 2>/dev/null || echo 0)" -gt $(( 15 * 1024 * 1024 )) ]; then
     # Too large to come back: keep stage outputs, JSON and the ends of the server logs.
     find "$RUN" -name '*.log' -size +2M -exec sh -c 'tail -c 2000000 "$1" > "$1.tail" && rm "$1"' _ {} \;
-    tar -C "$RUN" -cJf "$OUT/gf_logs.tar.xz" .
+    tar -C "$RUN" --exclude=./proj -cJf "$OUT/gf_logs.tar.xz" .
   fi
   exit $rc
 }
@@ -419,10 +419,14 @@ if declare -F save_jit_cache >/dev/null; then
       .cache/sglang .triton .deep_gemm .tilelang 2>/dev/null) 2>/dev/null | xz -T0 -3 > "$1/jitcache.tar.xz"
   }
 fi
-PROJ=$WORK/proj
-rm -rf "$PROJ"
-if ! python3 -m pip install -q --no-deps --no-build-isolation --no-index --no-compile \
-      --target "$PROJ" . > "$RUN/install.log" 2>&1; then
+# Each run installs into its own directory: a second run started beside
+# this one would otherwise delete the package its servers import. The build
+# writes sglang_hisparse.egg-info into the checkout: two runs started side
+# by side (2026-12-06-s2: pd and dsv4 5 s apart) raced on it and one failed,
+# so the builds take turns on a lock.
+PROJ=$RUN/proj
+if ! flock /tmp/gpu_stages.install.lock python3 -m pip install -q --no-deps --no-build-isolation \
+      --no-index --no-compile --target "$PROJ" . > "$RUN/install.log" 2>&1; then
   say "== install: FAILED (see install.log)"; tail -20 "$RUN/install.log"; exit 1
 fi
 # setuptools may leave metadata in the checkout (git-ignored build output),

@@ -786,18 +786,21 @@ DRAIN_PROBE_LINES = {
 
 
 @pytest.mark.parametrize("arch", sorted(DRAIN_PROBE_LINES))
-@pytest.mark.parametrize("probe_gpu,ok", [(640, True), (4800, False)])
-def test_drain_reads_the_pools_from_the_probes_decode_lines(tmp_path, probe_gpu, ok, arch, capsys):
+@pytest.mark.parametrize("probe_gpu,retracted,ok", [(640, 1, True), (4800, 1, False), (640, 0, False)])
+def test_drain_reads_the_pools_from_the_probes_decode_lines(tmp_path, probe_gpu, retracted, ok, arch,
+                                                            capsys):
     """The drain workload against a stand-in /generate that writes the log
-    lines a server would: retractions while the drain runs, then the probe's
-    decode lines (the pools with the probe alone, or with a leaked hot buffer
-    or SWA window)."""
+    lines a server would: retraction events while the drain runs (retracting
+    one request each, or none: one request running, as V4 at 30000 did),
+    then the probe's decode lines (the pools with the probe alone, or with a
+    leaked hot buffer or SWA window)."""
     from test_pd_gpu_script import Endpoint, sse
 
     e2e = _load("e2e_gpu", SCRIPTS / "e2e_gpu.py")
     log = tmp_path / "server.log"
     log.write_text("launch\n")
     aborted = set()
+    probes: list[int] = []
 
     def answer(body):
         if "input_ids" not in body:  # /abort_request
@@ -805,9 +808,11 @@ def test_drain_reads_the_pools_from_the_probes_decode_lines(tmp_path, probe_gpu,
             return
         n = body["sampling_params"]["max_new_tokens"]
         probe = len(body["input_ids"]) == e2e.PROBE_LEN
+        if probe:  # before the drain the pools hold the probe alone
+            probes.append(640 if not probes else probe_gpu)
         with log.open("a") as f:
-            f.write(DRAIN_PROBE_LINES[arch].format(held=probe_gpu)
-                    if probe else "KV cache pool is full. Testing retraction. #retracted_reqs: 1\n")
+            f.write(DRAIN_PROBE_LINES[arch].format(held=probes[-1])
+                    if probe else f"Testing retraction. #retracted_reqs: {retracted}\n")
         for k in range(1, n + 1):
             stop = body.get("rid") in aborted
             meta = ({"finish_reason": {"type": "abort"}} if stop else
@@ -828,11 +833,53 @@ def test_drain_reads_the_pools_from_the_probes_decode_lines(tmp_path, probe_gpu,
     assert v["aborted"] == e2e.DRAIN_ABORTS and aborted == {f"drain-abort-{k}" for k in range(4)}
     assert all(x["finish_reason"] == {"type": "abort"} for x in v["aborts"])
     held = "#gpu token" if arch == "dsa" else "#swa token"
-    assert v["retraction_events"] == 8 and v["probe_pools"][held] == probe_gpu
-    assert v["pools_back"] is ok and v["ok"] is ok
+    assert probes == [640, probe_gpu]  # the same probe before the drain and after it
+    assert v["probe_pools_before"][held] == 640
+    assert v["retraction_events"] == 8 and v["retractions"] == 8 * retracted
+    assert v["probe_pools"][held] == probe_gpu
+    assert v["pools_back"] is (probe_gpu == 640) and v["ok"] is ok
     assert [q["spec_verify_ct"] for q in res["requests"]] == [6] * 4
     e2e.summarize_drain({"ours": {"drain": [res]}}, ["ours"])
     assert capsys.readouterr().out.rstrip().endswith("OK" if ok else "FAILED")
+
+
+def test_drain_pools_judged_against_the_probe_before_the_drain():
+    """Ours on DeepSeek-V4 reads a constant #full token (its C4 budget caps
+    full_available_size): the probe alone read 19456 after the 2026-12-06-s2
+    H200 drain, over the absolute bound with nothing else held. The same
+    readings before and after pass; a leaked hot buffer (4352 tokens) or
+    host rows more after than before fail."""
+    e2e = _load("e2e_gpu", SCRIPTS / "e2e_gpu.py")
+    v4 = {"#gpu token": 1120, "#cpu token": 192, "#token": None, "#full token": 19456,
+          "#swa token": 768}
+    assert max(v for v in v4.values() if v) > e2e.DRAIN_POOL_BOUND
+    assert e2e.pools_as_before(v4, dict(v4))
+    assert not e2e.pools_as_before(v4, dict(v4, **{"#full token": 19456 + 4352}))
+    assert not e2e.pools_as_before(v4, dict(v4, **{"#cpu token": 192 + 2304}))
+    # A pool the probe did not show before cannot be judged: not back.
+    assert not e2e.pools_as_before(dict(v4, **{"#token": None}), dict(v4, **{"#token": 5}))
+    # No line before the drain (a probe that failed): the absolute bound.
+    nothing = dict.fromkeys(v4)
+    assert e2e.pools_as_before(nothing, {"#gpu token": 704, "#cpu token": 0})
+    assert not e2e.pools_as_before(nothing, v4)
+    assert not e2e.pools_as_before(v4, nothing)
+
+
+def test_v4_drain_gets_its_own_device_pool():
+    """The drain on DeepSeek-V4 launches at --max-total-tokens 60000 (the
+    later flag wins), so more than one request runs and is retracted; DSA
+    keeps 30000; the other workloads are unchanged."""
+    e2e = _load("e2e_gpu", SCRIPTS / "e2e_gpu.py")
+    env = tuple(sorted(e2e.WORKLOAD_ENV["drain"].items()))
+    v4 = e2e.launch_groups(["smoke", "drain"], "dsv4")
+    assert v4[(("--max-total-tokens", "30000", "--max-total-tokens", "60000"), env)] == ["drain"]
+    assert v4[((), ())] == ["smoke"]
+    dsa = e2e.launch_groups(["smoke", "drain"], "dsa")
+    assert dsa[(("--max-total-tokens", "30000"), env)] == ["drain"]
+    cmd, _ = e2e.server_cmd("tests/data/tiny-dsv4", 1, "ours", list(next(iter(
+        k for k, ws in v4.items() if ws == ["drain"]))[0]))
+    at = [i for i, a in enumerate(cmd) if a == "--max-total-tokens"]
+    assert cmd[at[-1] + 1] == "60000"
 
 
 def test_mtp_targets_from_the_summary(capsys):

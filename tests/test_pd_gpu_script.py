@@ -11,6 +11,7 @@ import time
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
 
 import pytest
 
@@ -261,13 +262,38 @@ def test_v4hs_runs_a_hisparse_v4_decode_that_retracts_beside_a_plain_prefill(lau
 
 
 def test_draft_windows_pair_the_sides_by_room(tmp_path):
+    """Rooms pair the sides; each side's /health request (room 0, nothing
+    transferred: 2026-12-06-s2 counted it as a 6th request that differed)
+    is left out."""
+    health = [{"side": side, "room": 0, "rid": f"HEALTH_CHECK_{k}", "sha256": side}
+              for k, side in enumerate(("prefill", "decode", "prefill"))]
     lines = [{"side": "prefill", "room": 1, "sha256": "a"}, {"side": "decode", "room": 1, "sha256": "a"},
              {"side": "prefill", "room": 2, "sha256": "b"}, {"side": "decode", "room": 2, "sha256": "c"},
              {"side": "prefill", "room": 3, "sha256": "d"}]
-    (tmp_path / "draftprobe_1.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines[::2]))
+    (tmp_path / "draftprobe_1.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines[::2] + health))
     (tmp_path / "draftprobe_2.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines[1::2]))
     assert pd.draft_windows(pd.draftprobe_records(tmp_path)) == {
-        "requests": 2, "equal": 1, "differ": 1, "one_side_only": 1}
+        "requests": 2, "equal": 1, "differ": 1, "one_side_only": 1, "health_checks": 3}
+
+
+def test_below_topk_judges_the_tokens_decoded_before_the_context_reaches_it():
+    """v4hs (2026-12-06-s2): 2000-token prompts x 1200 outputs; every
+    request's first differing token came at step 54-111, past the 48 decoded
+    below index_topk, each at a top-2 gap of at most 0.031. Identical over
+    those 48 passes; a difference at step 47 fails."""
+    def req(ids):
+        return {"prompt_len": 2000, "output_ids": ids, "logprobs": [-8.0] * len(ids),
+                "top2": [[-8.0, -8.1]] * len(ids)}
+    args = SimpleNamespace(margin=0.05, tol=0.05)
+    assert pd.within_topk_tokens(2000) == 48 and pd.within_topk_tokens(9000) == 0
+    ref = {"requests": [req(list(range(120)))]}
+    late = {"requests": [req(list(range(54)) + [7] * 66)]}
+    early = {"requests": [req(list(range(47)) + [7] * 73)]}
+    got = pd.exactness(ref, late, args)
+    assert got["below_topk_identical"] is True
+    assert got["by_prompt_len"]["2000"] == {"n": 1, "identical": 0, "identical_within_topk": 1,
+                                            "first_token_equal": 1}
+    assert pd.exactness(ref, early, args)["below_topk_identical"] is False
 
 
 @pytest.mark.parametrize("config", ["stock", "bare"])
