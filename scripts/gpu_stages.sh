@@ -423,15 +423,18 @@ fi
 # this one would otherwise delete the package its servers import. The build
 # writes sglang_hisparse.egg-info into the checkout: two runs started side
 # by side (2026-12-06-s2: pd and dsv4 5 s apart) raced on it and one failed,
-# so the builds take turns on a lock.
+# so a build and the removal of what it leaves take turns on a lock.
 PROJ=$RUN/proj
-if ! flock /tmp/gpu_stages.install.lock python3 -m pip install -q --no-deps --no-build-isolation \
-      --no-index --no-compile --target "$PROJ" . > "$RUN/install.log" 2>&1; then
-  say "== install: FAILED (see install.log)"; tail -20 "$RUN/install.log"; exit 1
-fi
-# setuptools may leave metadata in the checkout (git-ignored build output),
-# which pytest (cwd on sys.path) would see as a second install.
-rm -rf ./*.egg-info build
+{
+  flock 9
+  if ! python3 -m pip install -q --no-deps --no-build-isolation --no-index --no-compile \
+        --target "$PROJ" . > "$RUN/install.log" 2>&1; then
+    say "== install: FAILED (see install.log)"; tail -20 "$RUN/install.log"; exit 1
+  fi
+  # setuptools may leave metadata in the checkout (git-ignored build output),
+  # which pytest (cwd on sys.path) would see as a second install.
+  rm -rf ./*.egg-info build
+} 9> /tmp/gpu_stages.install.lock
 export PYTHONPATH="$PROJ${PYTHONPATH:+:$PYTHONPATH}"
 say "== install: $(ls -d "$PROJ"/sglang_hisparse-*.dist-info | xargs -n1 basename) into $PROJ ($(elapsed) s)"
 # Which pin the plugin sees and whether it would install: doctor's verdict.

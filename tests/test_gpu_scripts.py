@@ -871,13 +871,13 @@ def test_v4_drain_gets_its_own_device_pool():
     keeps 30000; the other workloads are unchanged."""
     e2e = _load("e2e_gpu", SCRIPTS / "e2e_gpu.py")
     env = tuple(sorted(e2e.WORKLOAD_ENV["drain"].items()))
+    v4_drain = ("--max-total-tokens", "30000", "--max-total-tokens", "60000")
     v4 = e2e.launch_groups(["smoke", "drain"], "dsv4")
-    assert v4[(("--max-total-tokens", "30000", "--max-total-tokens", "60000"), env)] == ["drain"]
+    assert v4[(v4_drain, env)] == ["drain"]
     assert v4[((), ())] == ["smoke"]
     dsa = e2e.launch_groups(["smoke", "drain"], "dsa")
     assert dsa[(("--max-total-tokens", "30000"), env)] == ["drain"]
-    cmd, _ = e2e.server_cmd("tests/data/tiny-dsv4", 1, "ours", list(next(iter(
-        k for k, ws in v4.items() if ws == ["drain"]))[0]))
+    cmd, _ = e2e.server_cmd("tests/data/tiny-dsv4", 1, "ours", list(v4_drain))
     at = [i for i, a in enumerate(cmd) if a == "--max-total-tokens"]
     assert cmd[at[-1] + 1] == "60000"
 
