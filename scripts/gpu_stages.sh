@@ -81,7 +81,8 @@
 #             GF_BOUND_CONFIGS (base,ours,noio), synthetic as above, one
 #             launch each. ~2-3 min per launch.
 #   stream    the streaming policy on and off, side by side (tiny model):
-#             configs GF_STREAM_CONFIGS (stream,ours,base), workload
+#             configs GF_STREAM_CONFIGS (stream,ours,base; stream512: a
+#             512-token prefill cap beside stream's 1024), workload
 #             GF_STREAM_WORKLOAD (decodebound: 16 x 32K x 1024 out at
 #             --max-total-tokens 72000), one launch each; the gap table's
 #             "worst gap / own median" is the target (<= 10 for stream).

@@ -392,15 +392,6 @@ _DECODE_LINE = re.compile(r"Decode batch.*")
 _TCP_TRANSPORT = re.compile(r"MC_FORCE_TCP is set, using TCP transport only"
                             r"|with MC_FORCE_TCP=1 \(TCP transport, no RDMA\)")
 _CHUNK_CACHE_FORCED = "KV cache is forced as chunk cache for decode server"
-# 0.5.13 logs this traceback at every server start when openai_harmony is
-# missing (entrypoints/http_server.py lifespan): benign, not a fault.
-_BENIGN_TRACEBACK = "Can not initialize OpenAIServingResponses, error: Traceback"
-
-
-def count_tracebacks(text: str) -> dict:
-    """Tracebacks in a log: those of 0.5.13's benign start-up line, and the rest."""
-    benign = text.count(_BENIGN_TRACEBACK)
-    return {"benign": benign, "other": text.count("Traceback") - benign}
 
 
 def decode_facts(text: str, startup: str | None = None) -> dict:
@@ -433,7 +424,7 @@ def decode_facts(text: str, startup: str | None = None) -> dict:
         "tcp_transport": bool(_TCP_TRANSPORT.search(startup)),
         "chunk_cache_forced": _CHUNK_CACHE_FORCED in startup,
         # tracebacks other than 0.5.13's benign start-up one (a count; 0: none)
-        "traceback": count_tracebacks(text)["other"],
+        "traceback": e2e.count_tracebacks(text)["other"],
         "max_prealloc_req": max((int(x) for x in re.findall(r"#prealloc-req: (\d+)", text)),
                                 default=None),
         "drift": re.findall(r"#hisparse drift: (\d+)", text)[-1:] or None,

@@ -447,6 +447,21 @@ def test_exactness_counters_from_the_decode_log_and_their_verdicts(tmp_path, cap
                                              "check_ok": True, "host_misses_seen": True}
     assert e2e.check_verdict("noio", st)["verdict"] == "MISSED"
     assert e2e.check_verdict("ref", st)["check_ok"] is None  # another package: not judged
+    assert st["tracebacks"] == 0
+
+    # 0.5.13's start-up traceback (openai_harmony missing) is benign; any other fails "exact".
+    benign = ("[2026-12-01 09:59:59] Can not initialize OpenAIServingResponses, error: "
+              "Traceback (most recent call last):\nModuleNotFoundError: No module named "
+              "'openai_harmony'\n")
+    raised = "Traceback (most recent call last):\nRuntimeError: CUDA error\n"
+    started = tmp_path / "started.log"
+    started.write_text(benign + log.read_text())
+    assert e2e.log_stats(started, 0)["tracebacks"] == 0
+    assert e2e.check_verdict("ours", e2e.log_stats(started, 0))["verdict"] == "exact"
+    started.write_text(benign + log.read_text() + raised)
+    assert e2e.log_stats(started, 0)["tracebacks"] == 1
+    assert e2e.check_verdict("ours", e2e.log_stats(started, 0)) == {
+        "expect": "exact", "verdict": "TRACEBACK", "check_ok": False, "host_misses_seen": True}
 
     mark = log.stat().st_size
     with log.open("a") as f:
@@ -708,6 +723,9 @@ def test_stream_configs_set_the_streaming_switch(monkeypatch):
     assert env["SGLANG_HISPARSE_STREAMING"] == "1" and "--enable-hisparse" in args
     _, env = e2e.server_cmd("/m", 1, "nostream", [])
     assert env["SGLANG_HISPARSE_STREAMING"] == "0"
+    args, env = e2e.server_cmd("/m", 1, "stream512", [])
+    assert env["SGLANG_HISPARSE_STREAMING"] == "512" and "--enable-hisparse" in args
+    assert e2e.CHECK_EXPECT["stream512"] == "exact"
     _, env = e2e.server_cmd("/m", 1, "ours", [])
     assert "SGLANG_HISPARSE_STREAMING" not in env  # ours: the default, off
     assert e2e.CHECK_EXPECT["stream"] == e2e.CHECK_EXPECT["nostream"] == "exact"

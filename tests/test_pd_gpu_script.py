@@ -323,7 +323,7 @@ def test_decode_facts_count_tracebacks_other_than_the_benign_start_up_one():
     assert pd.decode_facts(BENIGN_STARTUP + LOG)["traceback"] == 0
     crash = BENIGN_STARTUP + LOG + "Traceback (most recent call last):\n  File x\nRuntimeError: y\n"
     assert pd.decode_facts(crash)["traceback"] == 1
-    assert pd.count_tracebacks(crash) == {"benign": 1, "other": 1}
+    assert pd.e2e.count_tracebacks(crash) == {"benign": 1, "other": 1}
     assert pd.decode_facts(LOG)["max_prealloc_req"] == 1
 
 
