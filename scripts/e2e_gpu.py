@@ -649,16 +649,22 @@ def stream_generate(url: str, ids: list[int], max_new: int, timeout: float = 600
 
 
 def gap_stats(requests: list[dict]) -> dict:
-    """p50/p99 of every inter-token gap of a run, and the worst ratio of one
-    request's longest gap to its own median gap."""
+    """p50/p99 of every inter-token gap of a run, the worst ratio of one
+    request's longest gap to its own median gap, and the median of the
+    requests' first gaps (first token to second: where a request waits to
+    join the decode batch, the worst gap of every configuration on
+    2026-12-06)."""
     gaps = sorted(g for r in requests for g in r.get("gaps_ms") or [])
     if not gaps:
-        return {"itg_p50_ms": None, "itg_p99_ms": None, "itg_worst_over_median": None}
+        return {"itg_p50_ms": None, "itg_p99_ms": None, "itg_worst_over_median": None,
+                "itg_first_p50_ms": None}
     worst = max((max(r["gaps_ms"]) / max(statistics.median(r["gaps_ms"]), 1e-3)
                  for r in requests if r.get("gaps_ms")), default=None)
     return {"itg_p50_ms": gaps[len(gaps) // 2],
             "itg_p99_ms": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))],
-            "itg_worst_over_median": worst}
+            "itg_worst_over_median": worst,
+            "itg_first_p50_ms": statistics.median(r["gaps_ms"][0] for r in requests
+                                                  if r.get("gaps_ms"))}
 
 
 def add_rates(res: dict, t0: float) -> dict:
@@ -1053,6 +1059,8 @@ def log_stats(log_path: Path, since: int) -> dict:
     misses = [int(x) for x in re.findall(r"#hisparse miss: (\d+)", text)]
     hit_rate = re.findall(r"hisparse hit rate: ([\d.]+)", text)
     read_mib = re.findall(r"host read: ([\d.]+) MiB", text)
+    # ours' join wait (prefill end to joining the batch), over the launch so far
+    join_wait = re.findall(r"join wait mean/max: ([\d.]+)/([\d.]+) ms", text)
     return {
         "max_running": max(running) if running else None,
         "mean_running": statistics.mean(running) if running else None,
@@ -1060,6 +1068,8 @@ def log_stats(log_path: Path, since: int) -> dict:
         "hisparse_misses": misses[-1] if misses else None,
         "hisparse_hit_rate": float(hit_rate[-1]) if hit_rate else None,
         "hisparse_host_read_mib": float(read_mib[-1]) if read_mib else None,
+        "join_wait_mean_ms": float(join_wait[-1][0]) if join_wait else None,
+        "join_wait_max_ms": float(join_wait[-1][1]) if join_wait else None,
         # tracebacks other than 0.5.13's benign start-up one (0: none). A bare
         # "Traceback" test read every kit launch as crashed.
         "tracebacks": count_tracebacks(text)["other"],
@@ -1629,6 +1639,9 @@ def merge(args) -> int:
         data = json.loads(Path(path).read_text())
         for cfg, by_w in data["runs"].items():
             for w, runs in by_w.items():
+                for run in runs:  # gap statistics added since the run: from its requests
+                    for k, v in gap_stats(run.get("requests") or []).items():
+                        run.setdefault(k, v)
                 results.setdefault(cfg, {}).setdefault(w, []).extend(runs)
         launches += [dict(x, source=str(path)) for x in data.get("launches", [])]
     order = [c for c in ("base", "native", "ref", "ours", "warp", "prio16", "prio0", "sync", "nograph", "nores",
@@ -1687,11 +1700,13 @@ def summarize_decode(results, configs, workloads) -> list[dict]:
     and noio."""
     rows = []
     print("\nworkload    config  decode-only tok/s @running (x base, x native, / noio)   "
-          "inter-token gap p50 / p99 ms (p99 / TPOT)   worst gap / own median")
+          "inter-token gap p50 / p99 ms (p99 / TPOT)   worst gap / own median   "
+          "first gap p50 ms (server join wait mean/max ms)")
     for w in workloads:
         med = {c: {k: _med([r.get(k) for r in results[c][w]]) for k in
                    ("decode_only_tok_s", "decode_only_running", "itg_p50_ms", "itg_p99_ms",
-                    "itg_worst_over_median", "mean_tpot_ms")} for c in configs}
+                    "itg_worst_over_median", "mean_tpot_ms", "itg_first_p50_ms",
+                    "join_wait_mean_ms", "join_wait_max_ms")} for c in configs}
         for c in configs:
             m = {k: v[0] for k, v in med[c].items()}
             row = {"workload": w, "config": c, **m,
@@ -1711,7 +1726,9 @@ def summarize_decode(results, configs, workloads) -> list[dict]:
                   f"{f(row.get('decode_only_vs_noio'), '.2f')})   "
                   f"{f(m['itg_p50_ms'], '.2f'):>7} / {f(m['itg_p99_ms'], '.2f'):<8} "
                   f"({f(row.get('itg_p99_over_tpot'), '.2f')})   "
-                  f"{f(m['itg_worst_over_median'], '.1f')}", flush=True)
+                  f"{f(m['itg_worst_over_median'], '.1f'):>8}   "
+                  f"{f(m['itg_first_p50_ms'], '.1f')} ({f(m['join_wait_mean_ms'], '.1f')}/"
+                  f"{f(m['join_wait_max_ms'], '.1f')})", flush=True)
     return rows
 
 

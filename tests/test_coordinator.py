@@ -261,6 +261,47 @@ def test_retract_running_then_readmit():
     assert env.drained()
 
 
+class _Clock:
+    """The coordinator's clock, advanced by the test."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.mark.parametrize("residency", [False, True])
+def test_join_wait_runs_from_prefill_end_to_the_collect_that_joins(residency):
+    # A request's first inter-token gap holds its wait outside the batch:
+    # the staging copy (here in flight for two polls), or none for a resident.
+    env = Env(ratio=4, residency=True) if residency else Env()
+    clock = env.coord.clock = _Clock()
+    env.coord.set_cpu_staging_delay(lambda: 2)
+    pd = env.admitted_from_host("pd", 90)  # joins from host: no prefill here, not counted
+    a = env.staged("a", 300)
+    clock.now += 0.004
+    joined = env.coord.collect_ready_reqs()
+    if residency:
+        assert joined == [a]  # keeps its prefill rows: no copy to wait for
+    else:
+        assert joined == []  # the copy is in flight
+        clock.now += 0.010
+        assert env.coord.collect_ready_reqs() == []
+        clock.now += 0.006
+        assert env.coord.collect_ready_reqs() == [a]
+    stats = env.coord.get_hisparse_stats()
+    wait = 0.004 if residency else 0.020
+    assert stats["joins"] == 1
+    assert stats["join_wait_s"] == pytest.approx(wait) == stats["join_wait_max_s"]
+    clock.now += 1.0  # later collects count nothing again
+    assert env.coord.collect_ready_reqs() == []
+    assert env.coord.get_hisparse_stats()["joins"] == 1
+    for req in (a, pd):
+        env.finish(req)
+    assert env.drained()
+
+
 @pytest.mark.parametrize("n", [90, 400])
 def test_direct_admission_pd_decode(n):
     env = Env()

@@ -448,6 +448,13 @@ def test_exactness_counters_from_the_decode_log_and_their_verdicts(tmp_path, cap
     assert e2e.check_verdict("noio", st)["verdict"] == "MISSED"
     assert e2e.check_verdict("ref", st)["check_ok"] is None  # another package: not judged
     assert st["tracebacks"] == 0
+    assert st["join_wait_mean_ms"] is None  # a log without the field (base, or an older ours)
+    joined = tmp_path / "joined.log"
+    joined.write_text(_decode_line(4, 0).replace(", cuda graph", ", join wait mean/max: 3.2/35.0 ms, cuda graph")
+                      + _decode_line(4, 0).replace(", cuda graph", ", join wait mean/max: 4.5/41.5 ms, cuda graph"))
+    got = e2e.log_stats(joined, 0)
+    assert (got["join_wait_mean_ms"], got["join_wait_max_ms"]) == (4.5, 41.5)  # the last line: the launch so far
+    assert got["decode_step_ms"] == 4 * 1000 / 800  # the rate stays readable
 
     # 0.5.13's start-up traceback (openai_harmony missing) is benign; any other fails "exact".
     benign = ("[2026-12-01 09:59:59] Can not initialize OpenAIServingResponses, error: "
@@ -554,7 +561,9 @@ def test_ref_config_runs_the_other_package_and_check_reaches_hisparse_servers(tm
 
 def test_merge_keeps_each_rounds_check_launches(tmp_path, capsys):
     e2e = _load("e2e_gpu", SCRIPTS / "e2e_gpu.py")
-    run = {"requests": [{"ttft": 0.1, "output_ids": [1, 2], "top2": [], "logprobs": []}],
+    # recorded before the first-gap statistic existed: merge takes it from the requests
+    run = {"requests": [{"ttft": 0.1, "output_ids": [1, 2, 3], "top2": [], "logprobs": [],
+                         "gaps_ms": [30.0, 2.0]}],
            "errors": [], "output_tok_s": 10.0, "mean_tpot_ms": 2.0, "decode_step_ms": 2.0}
     paths = []
     for i, (cfg, checked) in enumerate((("ref", None), ("ours", 64))):
@@ -579,6 +588,8 @@ def test_merge_keeps_each_rounds_check_launches(tmp_path, capsys):
     rows = {r["config"]: r for r in merged["summary"] if r["workload"] == "lone"}
     assert list(rows) == ["base", "ref", "ours", "limit"]
     assert rows["ours"]["tok_s_vs_ref"] == 1.0 and rows["ours"]["exactness_vs_ref"]["violations"] == 0
+    gaps = {r["config"]: r for r in merged["decode"] if r["workload"] == "lone"}
+    assert gaps["ours"]["itg_first_p50_ms"] == 30.0
     out = capsys.readouterr().out
     assert "x1.00 ref" in out
     assert "mtp target" not in out  # no request of these runs speculated
@@ -609,6 +620,9 @@ def test_gap_stats_finds_the_stalled_stream():
     got = e2e.gap_stats([steady, parked])
     assert got["itg_p50_ms"] == 10.0 and got["itg_p99_ms"] == 10.0
     assert got["itg_worst_over_median"] == 90.0
+    assert got["itg_first_p50_ms"] == 10.0
+    late = {"gaps_ms": [40.0] + [10.0] * 20}  # joined the batch late after its first token
+    assert e2e.gap_stats([late, late, steady])["itg_first_p50_ms"] == 40.0
     assert e2e.gap_stats([{"gaps_ms": []}])["itg_p50_ms"] is None
 
 

@@ -8,6 +8,7 @@ STATS = {
     "hits": 300, "misses": 100, "host_bytes_read": 100 * 1152,
     "host_bytes_written": 4 << 20, "hot_buffer_occupancy": 0.5, "staging_reqs": 1,
     "resident_reqs": 2, "demotions": 3, "parked_reqs": 4,
+    "joins": 8, "join_wait_s": 0.2, "join_wait_max_s": 0.0625,
 }
 
 
@@ -44,6 +45,10 @@ def test_decode_log_line_gets_the_counters():
                            "cpu token usage: 0.50, hisparse hit rate: 0.750, #hisparse miss: 100")
     assert "host written: 4.0 MiB" in line
     assert "#hisparse resident: 2, #hisparse demoted: 3" in line
+    # 0.2 s over 8 joins: 25 ms each on average, the longest 62.5 ms
+    assert "#hisparse parked: 4, join wait mean/max: 25.0/62.5 ms" in line
+    none_yet = metrics.format_stats(dict(STATS, joins=0, join_wait_s=0.0, join_wait_max_s=0.0))
+    assert "join wait mean/max: 0.0/0.0 ms" in none_yet
 
 
 def test_no_coordinator_or_not_hisparse_leaves_the_line():
@@ -73,3 +78,5 @@ def test_prometheus_counters_advance_by_deltas(monkeypatch):
     assert registry.get_sample_value("sglang:hisparse_resident_reqs") == 2
     assert registry.get_sample_value("sglang:hisparse_parked_reqs") == 4
     assert registry.get_sample_value("sglang:hisparse_demotions_total") == 3
+    assert registry.get_sample_value("sglang:hisparse_joins_total") == 8
+    assert registry.get_sample_value("sglang:hisparse_join_wait_seconds_total") == 0.2

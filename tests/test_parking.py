@@ -44,9 +44,11 @@ def test_parks_while_a_prompt_needs_the_rows_then_joins_from_host():
     host_rows = env.coord.req_to_host_pool[a.req_pool_idx, :300]
     assert get_tag(env.host.kv_buffer[1], host_rows) == list(range(300))
     assert env.coord.get_hisparse_stats()["parked_reqs"] == 1
+    assert env.coord.get_hisparse_stats()["joins"] == 0  # parked is not joined
 
     demand[0] = PrefillDemand(0, 0, 1, 8)  # the queue is prefilled
     assert env.coord.collect_ready_reqs() == [a] and not a.hisparse_staging
+    assert env.coord.get_hisparse_stats()["joins"] == 1  # its wait ends here, parked time included
     assert int(env.coord.req_device_buffer_size[a.req_pool_idx]) == P
     assert bool((env.coord.req_device_buffer_tokens[:, a.req_pool_idx] == -1).all())
     rpi, seq = env.decode([a])  # no write-through: staging covered token 299

@@ -23,6 +23,9 @@ _COUNTERS = {
     "sglang:hisparse_host_read_bytes_total": ("host_bytes_read", "Bytes copied host -> GPU"),
     "sglang:hisparse_host_written_bytes_total": ("host_bytes_written", "Bytes copied GPU -> host"),
     "sglang:hisparse_demotions_total": ("demotions", "Resident requests moved to a hot buffer"),
+    "sglang:hisparse_joins_total": ("joins", "Requests that joined the decode batch after prefill"),
+    "sglang:hisparse_join_wait_seconds_total": (
+        "join_wait_s", "Seconds requests waited between prefill end and joining the decode batch"),
 }
 _GAUGES = {
     "sglang:hisparse_hot_buffer_occupancy": (
@@ -53,9 +56,19 @@ def format_stats(stats: dict) -> list[str]:
         f"#hisparse resident: {stats['resident_reqs']}",
         f"#hisparse demoted: {stats['demotions']}",
         f"#hisparse parked: {stats['parked_reqs']}",
+        _join_wait(stats),
     ] + ([f"#hisparse drift: {stats['accounting_drifts']}"] if stats.get("accounting_drifts") else []) + (
         [f"#exact checked: {stats['exact_checked']}", f"#exact mismatch: {stats['exact_mismatches']}"]
         if "exact_checked" in stats else [])
+
+
+def _join_wait(stats: dict) -> str:
+    """Mean and longest wait from a request's prefill end (its first token) to
+    its joining the decode batch, over the server's life: what staging,
+    host pages and parking add to a request's first inter-token gap."""
+    joins = stats.get("joins", 0)
+    mean = 1000 * stats["join_wait_s"] / joins if joins else 0.0
+    return f"join wait mean/max: {mean:.1f}/{1000 * stats.get('join_wait_max_s', 0.0):.1f} ms"
 
 
 def _metrics_enabled() -> bool:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Callable, List, NamedTuple, Optional
 
@@ -217,6 +218,14 @@ class Coordinator:
         self.host_bytes_read_staging = 0  # preloads (PD admission, parked joins)
         self.host_wait_events = 0
         self.demotions = 0
+        # Join waits: from a request's prefill end (its first token) to the
+        # collect that puts it in the running batch (staging copy, host
+        # pages, parking). Its first inter-token gap is this plus a decode
+        # step, so the decode log shows what HiSparse adds to it.
+        self.clock: Callable[[], float] = time.monotonic
+        self.joins = 0
+        self.join_wait_s = 0.0
+        self.join_wait_max_s = 0.0
         self.accounting_drifts = 0
         # Called with (req, message) when admission accounting drifted and a
         # request cannot be served; the adapter aborts it with that reason.
@@ -487,6 +496,9 @@ class Coordinator:
             "staging_reqs": self.requests.count(S.STAGING),
             "host_wait_reqs": self.requests.count(S.HOST_WAIT),
             "host_wait_events": self.host_wait_events,
+            "joins": self.joins,
+            "join_wait_s": self.join_wait_s,
+            "join_wait_max_s": self.join_wait_max_s,
             "resident_reqs": self.requests.count(S.RESIDENT) + self.requests.count(S.RESIDENT_JOINING),
             "parked_reqs": self.requests.count(S.PARKED),
             "demotions": self.demotions,
@@ -504,9 +516,11 @@ class Coordinator:
         take = getattr(self.token_to_kv_pool_allocator, "take_prefill_claim", None)
         if take is not None:
             take(int(first))
+        done_at = self.clock()
         if self.residency.admits(req):
+            self.requests.record(idx).prefill_done_at = done_at
             return
-        self.requests.admit(req, S.HOST_WAIT)
+        self.requests.admit(req, S.HOST_WAIT).prefill_done_at = done_at
         if self.requests.count(S.HOST_WAIT) == 1 and self._start_staging(req):
             return
         self.host_wait_events += 1  # waits behind others, or for host pages
@@ -564,7 +578,7 @@ class Coordinator:
             if not self._start_staging(req):
                 break
         if not self.ack_staging_queue and not r.count(S.PARKED):
-            return ready
+            return self._joined(ready)
         done = 0
         for item in self.ack_staging_queue:
             if not item.event.query():
@@ -582,7 +596,22 @@ class Coordinator:
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.tp_group)
             done = int(t.item())
         staged = [self.ack_staging_queue.pop(0).req for _ in range(done)]
-        return ready + self.parking.admit(staged, running_extra=len(ready))
+        return self._joined(ready + self.parking.admit(staged, running_extra=len(ready)))
+
+    def _joined(self, reqs: List[object]) -> List[object]:
+        """Count the join waits of ``reqs``, which join the running batch now."""
+        if reqs:
+            now = self.clock()
+            for req in reqs:
+                rec = self.requests.record(req.req_pool_idx)
+                if rec is None or rec.prefill_done_at is None:
+                    continue  # admitted from host (PD decode), not from prefill
+                wait = now - rec.prefill_done_at
+                rec.prefill_done_at = None
+                self.joins += 1
+                self.join_wait_s += wait
+                self.join_wait_max_s = max(self.join_wait_max_s, wait)
+        return reqs
 
     # -------------------------------------------------------- hot buffers
     def alloc_device_buffer(self, req) -> bool:

@@ -102,7 +102,7 @@ class RequestRecord:
     """One request's entry: its state plus the per-request facts that belong
     to the lifecycle rather than to the device tables."""
 
-    __slots__ = ("req", "state", "resident_rows", "skip_first_backup")
+    __slots__ = ("req", "state", "resident_rows", "skip_first_backup", "prefill_done_at")
 
     def __init__(self, req, state: ReqState):
         self.req = req
@@ -112,6 +112,9 @@ class RequestRecord:
         # The next decode step must not write the previous token through:
         # the staging copy, a demotion or a host preload already put it there.
         self.skip_first_backup = False
+        # When its prefill ended (it had streamed its first token), until it
+        # joins the running batch: the coordinator's clock, or None.
+        self.prefill_done_at: Optional[float] = None
 
 
 class RequestTable:
