@@ -506,6 +506,20 @@ HOOKS: tuple[Entry, ...] = (
         tests=("tests/test_coordinator.py", "tests/test_disaggregation.py"),
     ),
     _data_plane_hook(
+        target=f"{_SCHED}.on_idle",
+        kind=Kind.AFTER,
+        why=(
+            "0.5.13 skips its idle memory-leak check whenever HiSparse is on (its pool "
+            "counters do not add up under host backup), so a server with "
+            "--enable-hisparse has none; ours checks the pools HiSparse serves from "
+            "(device rows, host rows, logical / full and SWA ids, request slots) "
+            "against the first idle moment and warns with SGLang's reporter."
+        ),
+        impl="sglang_hisparse.adapter.scheduler:scheduler_on_idle",
+        upstream="none: 0.5.23 still skips it under HiSparse (srt/managers/scheduler.py:5281-5291)",
+        tests=("tests/test_idle_leak_check.py",),
+    ),
+    _data_plane_hook(
         target=f"{_SCHED}.get_next_batch_to_run",
         kind=Kind.AROUND,
         why=(

@@ -395,13 +395,13 @@ def test_manifest_entries_check_out():
                                                                  "sglang_hisparse.pools.allocator:",
                                                                  "sglang_hisparse.adapter.scheduler:"))]
     # The coordinator, the allocator and the scheduler hooks that drive them
-    # (streaming's and the rebootstrap retraction's included): each acts only
-    # while the data plane is ours.
+    # (streaming's, the rebootstrap retraction's and the idle leak check's
+    # included): each acts only while the data plane is ours.
     assert sorted(e.impl.rsplit(":", 1)[1] for e in mine) == [
         "HiSparseCoordinator", "HiSparseDualAllocator", "hisparse_indexer_cell_size",
         "model_runner_max_token_pool_size", "release_req_without_offload",
         "scheduler_abort_request", "scheduler_get_new_batch_prefill",
-        "scheduler_get_next_batch_to_run"]
+        "scheduler_get_next_batch_to_run", "scheduler_on_idle"]
     assert all(e.scope is Scope.DATA_PLANE for e in mine)
     for e in mine:
         if not e.applies_to(sglang_version()):

@@ -165,3 +165,24 @@ def release_req_without_offload(original, *args, **kwargs):
         return original(*args, **kwargs)
     with retain.releasing():
         return original(*args, **kwargs)
+
+
+def scheduler_on_idle(result, self, *args, **kwargs):
+    """AFTER ``Scheduler.on_idle``: the idle leak check SGLang skips under
+    HiSparse (0.5.13 to 0.5.17 run ``_check_all_pools`` only without it), on
+    our pools instead (``Coordinator.idle_leaks``). Reported with SGLang's
+    own reporter, as a warning (the first time, then every 1000th). SGLang
+    raises on its own idle leaks by default
+    (``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE``); this check only warns
+    until GPU runs have shown it quiet on every serving path (colocated,
+    PD decode, DeepSeek-V4, MTP): a false leak must not stop a server."""
+    coord = getattr(self, "hisparse_coordinator", None)
+    if coord is None or not self.is_fully_idle():
+        return None
+    leaks = coord.idle_leaks()
+    if leaks:
+        from sglang.srt.utils.common import raise_error_or_warn
+
+        raise_error_or_warn(self, False, "count_hisparse_leak_warnings",
+                            "HiSparse pool memory leak detected! " + "; ".join(leaks))
+    return None

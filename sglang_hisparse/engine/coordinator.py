@@ -226,6 +226,8 @@ class Coordinator:
         self.joins = 0
         self.join_wait_s = 0.0
         self.join_wait_max_s = 0.0
+        # Free counts of every pool at the first idle check (see idle_leaks).
+        self._idle_baseline: Optional[dict] = None
         self.accounting_drifts = 0
         # Called with (req, message) when admission accounting drifted and a
         # request cannot be served; the adapter aborts it with that reason.
@@ -463,6 +465,43 @@ class Coordinator:
 
     def release_retained(self, kept) -> None:
         self.retain.release_retained(kept)
+
+    # ------------------------------------------------------- idle leak check
+    def pool_free_counts(self) -> dict:
+        """Free rows / slots of every pool a request takes from, by name."""
+        alloc = self.token_to_kv_pool_allocator
+        logical = alloc.logical_attn_allocator
+        counts = {"device rows": alloc.physical_available_size(),
+                  "host rows": self.mem_pool_host.available_size(),
+                  "request slots": self.req_to_token_pool.available_size()}
+        if hasattr(logical, "swa_available_size"):  # DeepSeek-V4: full and SWA ids
+            counts["full tokens"] = logical.full_available_size()
+            counts["swa tokens"] = logical.swa_available_size()
+        else:
+            counts["logical tokens"] = alloc.logical_available_size()
+        return counts
+
+    def holds_anything(self) -> bool:
+        """A request, a copy in flight or a retracted request's host rows."""
+        return bool(len(self.requests) or self.ack_staging_queue or len(self.retain.kept()))
+
+    def idle_leaks(self) -> List[str]:
+        """With the scheduler fully idle: each pool whose free count differs
+        from the first idle check's, as "name: free now (then)". SGLang skips
+        its own idle leak check under HiSparse (0.5.13 to 0.5.17
+        ``Scheduler.on_idle``); this one takes its place. The first check
+        with nothing held sets the baseline (the pools after start-up, CUDA
+        graph capture and the warm-up request); a check while the
+        coordinator still holds something (a retracted request's host rows
+        on a PD decode node) compares nothing."""
+        if self.holds_anything():
+            return []
+        now = self.pool_free_counts()
+        if self._idle_baseline is None:
+            self._idle_baseline = now
+            return []
+        return [f"{name}: {now[name]} free ({then} at the first idle check)"
+                for name, then in self._idle_baseline.items() if now.get(name) != then]
 
     # -------------------------------------------------------------- stats
     def get_token_stats(self) -> HiSparseTokenStats:
