@@ -121,6 +121,7 @@ from typing import Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import e2e_gpu as e2e  # noqa: E402
 
+from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX  # noqa: E402 (the /health requests' rid)
 from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST  # noqa: E402 (what 0.5.13's warm-up sends)
 
 BOOTSTRAP_PORT = 8998
@@ -748,12 +749,9 @@ def draftprobe_records(directory: Path) -> list[dict]:
             for line in f.read_text().splitlines() if line.strip()]
 
 
-# SGLang's /health requests (sglang.srt.constants.HEALTH_CHECK_RID_PREFIX):
-# each side generates one token on its own with the fake bootstrap room 0, so
-# nothing is transferred and their digests are not a pair.
-HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"
-
-
+# SGLang's /health requests (rid HEALTH_CHECK_RID_PREFIX...): each side
+# generates one token on its own with the fake bootstrap room 0, so nothing is
+# transferred and their digests are not a pair.
 def draft_windows(records: list[dict]) -> dict:
     """Per request (bootstrap room): whether the decode's digest equals the
     prefill's; rooms that lack either side are counted apart, health checks

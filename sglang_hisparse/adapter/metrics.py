@@ -66,9 +66,9 @@ def _join_wait(stats: dict) -> str:
     """Mean and longest wait from a request's prefill end (its first token) to
     its joining the decode batch, over the server's life: what staging,
     host pages and parking add to a request's first inter-token gap."""
-    joins = stats.get("joins", 0)
+    joins = stats["joins"]
     mean = 1000 * stats["join_wait_s"] / joins if joins else 0.0
-    return f"join wait mean/max: {mean:.1f}/{1000 * stats.get('join_wait_max_s', 0.0):.1f} ms"
+    return f"join wait mean/max: {mean:.1f}/{1000 * stats['join_wait_max_s']:.1f} ms"
 
 
 def _metrics_enabled() -> bool:

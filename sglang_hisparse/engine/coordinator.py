@@ -474,7 +474,7 @@ class Coordinator:
         counts = {"device rows": alloc.physical_available_size(),
                   "host rows": self.mem_pool_host.available_size(),
                   "request slots": self.req_to_token_pool.available_size()}
-        if hasattr(logical, "swa_available_size"):  # DeepSeek-V4: full and SWA ids
+        if self.is_dsv4_hisparse:  # the logical allocator is SGLang's SWA one: full and SWA ids
             counts["full tokens"] = logical.full_available_size()
             counts["swa tokens"] = logical.swa_available_size()
         else:
