@@ -81,7 +81,12 @@ Workloads:
   lone        one 16000-token prompt, 256 output tokens
   decodebound 16 x 32000-token prompts x 1024 output tokens sent at once,
               --max-total-tokens 72000 (base holds two of them, ours a hot
-              buffer each): decode dominates
+              buffer each): decode dominates. Prints issue #16's target
+              lines ("#16 target": ours vs base, native and noio, end to end
+              and decode-only; every configuration's gaps)
+  lone32k     one 32000-token prompt x 512 output tokens, decodebound's
+              flags (the same launch): the lone-TPOT targets, ours resident
+              and nores (no residency: host IO) against base
   decode16k   16 x 16000-token prompts x 512 output tokens, the same flags:
               all 16 decode at once after half decodebound's prefill
   mixed       8 x 32000 and 16 x 4000 tokens x 512 output tokens, same flags
@@ -249,6 +254,10 @@ WORKLOADS = {
     # requests in base; ours holds a hot buffer (4160 rows) per request.
     # Outputs long enough that decode dominates the wall time.
     "decodebound": ([[32000] * 16], 1024, _LONG),
+    # One 32K request alone, at decodebound's flags (the same launch): the
+    # lone-TPOT targets. Ours keeps it resident (72000 rows hold it); nores
+    # (SGLANG_HISPARSE_RESIDENCY=0) serves it from a hot buffer, host IO.
+    "lone32k": ([[32000]], 512, _LONG),
     # The same server flags with half the prompt: 16 hot buffers decode at
     # once after half decodebound's prefill (IndexShare's prefetch vs sync
     # vs skip-IO on the V3.2 geometry, where the decode step is GPU-bound).
@@ -280,7 +289,7 @@ SYNTHETIC_ENV = "SGLANG_HISPARSE_SYNTHETIC_TOPK"
 # Where --synthetic reaches: this work tree's data plane, and SGLang's own
 # through the plugin's native-mode hook (adapter/native.py).
 SYNTHETIC_CONFIGS = ("ours", "nopark", "stream", "stream512", "nostream", "noio", "sync", "warp", "prio16", "prio0",
-                     "native")
+                     "nores", "nograph", "native")
 # The IndexShare prefetch configurations, each compared with sync and noio.
 PREFETCH_CONFIGS = ("ours", "warp", "prio16", "prio0")
 
@@ -935,6 +944,62 @@ def summarize_mtp_targets(summary: list[dict], config: str = "ours") -> list[dic
     return rows
 
 
+# Issue #16's targets, each (workload, config, table, ratio): op, value.
+# Table "summary" is the end-to-end row, "decode" the decode-only and gap
+# row. ours / noio is >= 0.9 with the calibrated top-k, >= 0.8 on the random
+# weights' own (REALISTIC_NOIO). The decode-only targets are the issue's at
+# 61 layers; at other depths they are printed for comparison.
+REALISTIC_TARGETS = {
+    ("decodebound", "ours", "summary", "tok_s_vs_base"): (">=", 3.0),
+    ("decodebound", "ours", "summary", "tok_s_vs_native"): (">=", 1.5),
+    ("decodebound", "ours", "summary", "tok_s_vs_noio"): (">=", None),
+    ("decodebound", "ours", "decode", "decode_only_vs_base"): (">=", 4.0),
+    ("decodebound", "ours", "decode", "decode_only_vs_native"): (">=", 2.0),
+    ("lone32k", "ours", "summary", "tpot_vs_base"): ("<=", 1.05),
+    ("lone32k", "nores", "summary", "tpot_vs_base"): ("<=", 1.15),
+}
+REALISTIC_NOIO = {"calibrated": 0.9, None: 0.8}
+# Streaming, every configuration of every workload with gap statistics: a
+# request's worst gap within 10 x its own median gap, p99 within 3 x TPOT.
+STREAM_TARGETS = {"itg_worst_over_median": 10.0, "itg_p99_over_tpot": 3.0}
+
+
+def summarize_realistic_targets(summary: list[dict], decode: list[dict],
+                                synthetic: Optional[str]) -> list[dict]:
+    """Issue #16's targets from the summary and decode tables (medians over
+    runs), one printed line each; nothing for a ratio the run lacks."""
+    tables = {"summary": summary, "decode": decode}
+    noio = {(r["workload"], r["config"]): r.get("output_tok_s") for r in summary}
+    rows = []
+
+    def judge(w, c, key, value, op, target, runs):
+        met = value <= target if op == "<=" else value >= target
+        rows.append({"workload": w, "config": c, "ratio": key, "value": value,
+                     "target": f"{op} {target}", "met": met, "runs": runs})
+        print(f"#16 target {w:<11} {c:<9} {key} {value:.3f} (target {op} {target:g}: "
+              f"{'met' if met else 'NOT met'}; {runs} run(s))", flush=True)
+
+    for (w, c, table, key), (op, target) in REALISTIC_TARGETS.items():
+        row = next((r for r in tables[table] if r["workload"] == w and r["config"] == c), None)
+        if row is None:
+            continue
+        value = row.get(key)
+        if key == "tok_s_vs_noio":
+            target = REALISTIC_NOIO.get(synthetic, REALISTIC_NOIO[None])
+            n = noio.get((w, "noio"))
+            value = row["output_tok_s"] / n if n and row.get("output_tok_s") else None
+        runs = next((r["runs"] for r in summary if r["workload"] == w and r["config"] == c), 0)
+        if value is not None:
+            judge(w, c, key, value, op, target, runs)
+    for row in decode:
+        runs = next((r["runs"] for r in summary
+                     if r["workload"] == row["workload"] and r["config"] == row["config"]), 0)
+        for key, target in STREAM_TARGETS.items():
+            if row.get(key) is not None:
+                judge(row["workload"], row["config"], key, row[key], "<=", target, runs)
+    return rows
+
+
 def spec_parity(base: dict, other: dict) -> dict:
     """Per request (same prompts, same order): verify counts and accept
     lengths against base's; a request whose output ids equal base's must
@@ -1333,6 +1398,7 @@ def main() -> int:
         env["cpus"] = sorted(cpus)
         print(f"servers run on cores {sorted(cpus)}", flush=True)
     env["model"] = model
+    env["synthetic"] = args.synthetic
     env["package"] = {}
     for cfg in configs:
         _, senv = server_cmd(model, args.port, cfg, [], **opts)
@@ -1381,11 +1447,13 @@ def main() -> int:
     checks = summarize_checks(launches)
     spec = summarize_spec(results, configs, workloads) if args.mtp else []
     spec += summarize_mtp_targets(summary) if args.mtp else []
+    realistic = summarize_realistic_targets(summary, decode, args.synthetic)
     drain = summarize_drain(results, configs)
     Path(args.out).write_text(json.dumps({"summary": summary, "decode": decode, "env": env,
                                           "indexshare": indexshare, "runs": results,
                                           "launches": launches, "checks": checks,
-                                          "spec": spec, "drain": drain}, indent=1))
+                                          "spec": spec, "realistic": realistic,
+                                          "drain": drain}, indent=1))
     failed_checks = [c for c in checks if c.get("check_ok") is False]
     failed_drain = [d for d in drain if not d["ok"]]
     return 1 if failed_checks or failed_drain or not all(s.get("ok", True) for s in summary) else 0
@@ -1635,8 +1703,10 @@ def merge(args) -> int:
     launches made by separate commands) and summarize them as one."""
     results: dict = {}
     launches: list = []
+    synthetic = set()
     for path in args.merge:
         data = json.loads(Path(path).read_text())
+        synthetic.add(data.get("env", {}).get("synthetic"))
         for cfg, by_w in data["runs"].items():
             for w, runs in by_w.items():
                 for run in runs:  # gap statistics added since the run: from its requests
@@ -1660,10 +1730,14 @@ def merge(args) -> int:
                       for runs in by_w.values() for r in runs for q in r["requests"])
     spec = summarize_spec(results, configs, workloads) + (
         summarize_mtp_targets(summary) if speculative else [])
+    # Rounds of one top-k only: the skip-IO target depends on it.
+    realistic = summarize_realistic_targets(
+        summary, decode, synthetic.pop()) if len(synthetic) == 1 else []
     drain = summarize_drain(results, configs)
     Path(args.out).write_text(json.dumps({"summary": summary, "decode": decode, "runs": results,
                                           "indexshare": indexshare, "launches": launches,
-                                          "checks": checks, "spec": spec, "drain": drain},
+                                          "checks": checks, "spec": spec,
+                                          "realistic": realistic, "drain": drain},
                                          indent=1))
     return 0
 

@@ -76,10 +76,16 @@
 #             61 layers: base ready in 81 s, then ~30 s; ours ready in 113 s,
 #             then 16 prefills at ~7.3K tokens/s (~70 s) before all run:
 #             give it a command of its own.
-#   bound     end to end, decode-bound: decodebound (16 x 32K x 1024 out) on
-#             GF_BOUND_LAYERS (8) layers of the V3.2 geometry, configs
-#             GF_BOUND_CONFIGS (base,ours,noio), synthetic as above, one
-#             launch each. ~2-3 min per launch.
+#   bound     end to end, decode-bound (issue #16's targets, "#16 target"
+#             lines): GF_BOUND_WORKLOADS (decodebound: 16 x 32K x 1024 out,
+#             and lone32k: one 32K request, both at --max-total-tokens 72000,
+#             one launch) on GF_BOUND_LAYERS (8) layers of the V3.2
+#             geometry, configs GF_BOUND_CONFIGS (base,native,ours,noio; nores
+#             for a lone request with host IO), synthetic GF_DECODE_SYNTHETIC
+#             (calibrated; "" for the random weights' own top-k),
+#             GF_BOUND_NEW output tokens instead of the workloads' (e.g.
+#             2048), one launch each; GF_BOUND_TOGETHER=1: the configs'
+#             servers start at once and take turns, GF_BOUND_INNER rounds.
 #   stream    the streaming policy on and off, side by side (tiny model):
 #             configs GF_STREAM_CONFIGS (stream,ours,base; stream512: a
 #             512-token prefill cap beside stream's 1024), workload
@@ -599,9 +605,6 @@ v32_model() {  # v32_model LAYERS: writes the model dir, prints its path
   python3 scripts/model_config.py --geometry v32 --layers "$1" --out "$model" >/dev/null && echo "$model"
 }
 
-# The 32K workloads hold 16 requests; a host pool of ratio 8 covers them.
-LONG_ARGS=(--warmup 0 --server-args "--mem-fraction-static 0.45 --cuda-graph-max-bs 16")
-
 decode_cmd() {
   local model; model=$(v32_model "${GF_DECODE_LAYERS:-61}") || return 1
   local syn=${GF_DECODE_SYNTHETIC-calibrated}
@@ -796,9 +799,16 @@ kbench_cmd() {
 
 bound_cmd() {
   local model; model=$(v32_model "${GF_BOUND_LAYERS:-8}") || return 1
-  local syn=${GF_DECODE_SYNTHETIC-calibrated}
-  "${E2E[@]}" --model "$model" --configs "${GF_BOUND_CONFIGS:-base,ours,noio}" ${syn:+--synthetic "$syn"} \
-    --workloads decodebound "${LONG_ARGS[@]}" --out "$RUN/bound.json" --logs "$RUN/bound"
+  local syn=${GF_DECODE_SYNTHETIC-calibrated} together=()
+  # GF_BOUND_TOGETHER=1: every config's server starts at once (one start-up
+  # for all), then the configs take turns, GF_BOUND_INNER rounds.
+  [ "${GF_BOUND_TOGETHER:-0}" = 1 ] && together=(--together --inner-repeats "${GF_BOUND_INNER:-1}")
+  # GF_MEM_FRACTION (0.6): four 8-layer servers at once hold ~5 GB of
+  # weights each; --max-total-tokens caps every pool anyway.
+  "${E2E[@]}" --model "$model" --configs "${GF_BOUND_CONFIGS:-base,native,ours,noio}" ${syn:+--synthetic "$syn"} \
+    --workloads "${GF_BOUND_WORKLOADS:-decodebound,lone32k}" ${GF_BOUND_NEW:+--max-new "$GF_BOUND_NEW"} \
+    --warmup 0 --server-args "--mem-fraction-static ${GF_MEM_FRACTION:-0.6} --cuda-graph-max-bs 16" \
+    "${together[@]}" "${CPU_ARGS[@]}" --out "$RUN/bound.json" --logs "$RUN/bound"
 }
 
 stream_cmd() {
@@ -876,7 +886,7 @@ trace_cmd"
       run_stage decode 200 560 bash -c "$(declare -f v32_model decode_cmd); $(declare -p RUN WORK PORT); decode_cmd"
       show decode ;;
     bound)
-      run_stage bound 200 560 bash -c "$(declare -f v32_model bound_cmd); $(declare -p E2E LONG_ARGS RUN WORK); bound_cmd"
+      run_stage bound 200 560 bash -c "$(declare -f v32_model bound_cmd); $(declare -p E2E CPU_ARGS RUN WORK); bound_cmd"
       show bound ;;
     stream)
       wait_bg

@@ -925,6 +925,37 @@ def test_mtp_targets_from_the_summary(capsys):
     assert "mtp target lone      ours tpot_vs_base 1.070 (target <= 1.05: NOT met; 2 run(s))" in out
 
 
+@pytest.mark.parametrize("synthetic, noio_met", [("calibrated", False), (None, True)])
+def test_realistic_targets_from_the_summary_and_decode_tables(capsys, synthetic, noio_met):
+    """Issue #16's lines: each ratio judged against its target, ours / noio
+    against 0.9 with the calibrated top-k and 0.8 with the random weights',
+    the streaming gaps for every decode row, and nothing for a ratio the run
+    lacks (no native here: no vs-native line)."""
+    e2e = _load("e2e_gpu", SCRIPTS / "e2e_gpu.py")
+    summary = [{"workload": "decodebound", "config": "ours", "tok_s_vs_base": 3.4, "output_tok_s": 850.0,
+                "runs": 3},
+               {"workload": "decodebound", "config": "noio", "output_tok_s": 1000.0, "runs": 3},
+               {"workload": "lone32k", "config": "ours", "tpot_vs_base": 1.02, "runs": 3},
+               {"workload": "lone32k", "config": "nores", "tpot_vs_base": 1.2, "runs": 3}]
+    decode = [{"workload": "decodebound", "config": "ours", "decode_only_vs_base": 4.5,
+               "itg_worst_over_median": 12.0, "itg_p99_over_tpot": 2.0},
+              {"workload": "decodebound", "config": "noio", "itg_worst_over_median": None}]
+    rows = e2e.summarize_realistic_targets(summary, decode, synthetic)
+    got = {(r["workload"], r["config"], r["ratio"]): r["met"] for r in rows}
+    assert got == {("decodebound", "ours", "tok_s_vs_base"): True,
+                   ("decodebound", "ours", "tok_s_vs_noio"): noio_met,
+                   ("decodebound", "ours", "decode_only_vs_base"): True,
+                   ("lone32k", "ours", "tpot_vs_base"): True,
+                   ("lone32k", "nores", "tpot_vs_base"): False,
+                   ("decodebound", "ours", "itg_worst_over_median"): False,
+                   ("decodebound", "ours", "itg_p99_over_tpot"): True}
+    out = capsys.readouterr().out
+    threshold = "0.9" if synthetic else "0.8"
+    assert (f"#16 target decodebound ours      tok_s_vs_noio 0.850 (target >= {threshold}: "
+            f"{'met' if noio_met else 'NOT met'}; 3 run(s))") in out
+    assert "#16 target lone32k     nores     tpot_vs_base 1.200 (target <= 1.15: NOT met; 3 run(s))" in out
+
+
 def test_bundle_imports_names_the_package_a_device_would_lack(tmp_path):
     """scripts/bundle_imports.py against this venv: with every distribution
     on the 'device' SGLang's HTTP server imports; without fastapi it fails
