@@ -502,11 +502,27 @@ def pin_to(cpus):
     return lambda: os.sched_setaffinity(0, cpus)
 
 
+# Process groups of the servers running now (Server adds, Server.stop
+# removes): what the SIGTERM handler signals at once.
+LIVE_SERVER_GROUPS: set[int] = set()
+
+
 def exit_on_sigterm() -> None:
     """Turn SIGTERM (e.g. from ``timeout``) into SystemExit, so that the
     ``finally`` blocks stop the servers: a server left running keeps its
-    port and GPU memory and spoils every later launch on the machine."""
+    port and GPU memory and spoils every later launch on the machine.
+    Every live server is sent SIGTERM first, all at once: the finally
+    blocks stop servers one after the other, up to 30 s each, and
+    ``timeout -k`` kills this process before six of them are through
+    (2026-12-06-s4: five servers of a cut-off --together run outlived it,
+    held 58 GB of the GPU and the host's pinned memory, and the next
+    command's servers were killed at start-up)."""
     def handler(signum, frame):
+        for group in list(LIVE_SERVER_GROUPS):
+            try:
+                os.killpg(group, signal.SIGTERM)
+            except OSError:
+                pass  # gone already
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, handler)
@@ -562,6 +578,7 @@ class Server:
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True, preexec_fn=pin_to(cpus),
                                      cwd=server_cwd())
+        LIVE_SERVER_GROUPS.add(self.proc.pid)
 
     def wait_ready(self, timeout=420):
         t0 = time.time()
@@ -577,15 +594,23 @@ class Server:
             time.sleep(1)
         raise TimeoutError("server not ready")
 
-    def stop(self):
+    def terminate(self):
+        """Ask the server's process group to exit (stop() waits for it)."""
         try:
             os.killpg(self.proc.pid, signal.SIGTERM)
+        except OSError:
+            pass  # exited already
+
+    def stop(self):
+        self.terminate()
+        try:
             self.proc.wait(timeout=30)
         except Exception:
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except Exception:
                 pass
+        LIVE_SERVER_GROUPS.discard(self.proc.pid)
         self.log.close()
 
 
@@ -1410,14 +1435,24 @@ def main() -> int:
     results: dict = {c: {w: [] for w in workloads} for c in configs}
     launches: list[dict] = []
 
+    def save_partial(current: Optional[dict] = None) -> None:
+        """The runs so far as a partial JSON (--merge reads it), with
+        ``current``: the runs of a launch still serving."""
+        runs = {c: {w: results[c][w] + (current or {}).get(c, {}).get(w, []) for w in workloads}
+                for c in configs}
+        Path(args.out).write_text(json.dumps({"partial": True, "env": env, "runs": runs,
+                                              "launches": launches}, indent=1))
+
     def launch(cfg: str, port: int, rep: int, flags, wenv, ws) -> tuple[dict, dict]:
         return serve_launch(model, port, cfg, rep, list(flags), dict(wenv), ws, args, opts, cpus)
 
     for rep in range(args.repeats):
         for (flags, wenv), ws in by_flags.items():
             if args.together:
+                # Every run is inside one launch: written as it ends, so
+                # that a cut-off command leaves the runs made so far.
                 together = serve_together(model, configs, args.port, rep, flags, wenv, ws, args,
-                                          opts, cpus)
+                                          opts, cpus, checkpoint=save_partial)
                 launched = [together[cfg] for cfg in configs]
             elif args.parallel:
                 # Every configuration at once, each on its own port.
@@ -1432,8 +1467,7 @@ def main() -> int:
                     results[cfg][w].extend(runs[w])
                 launches.append(record)
                 # What is done so far survives a later launch being cut off.
-                Path(args.out).write_text(json.dumps({"partial": True, "env": env, "runs": results,
-                                                      "launches": launches}, indent=1))
+                save_partial()
     if args.baseline_json and "base" not in configs:
         earlier = json.loads(Path(args.baseline_json).read_text())["runs"]["base"]
         results["base"] = {w: earlier.get(w, []) for w in workloads}
@@ -1580,7 +1614,7 @@ def move_server(srv, cpus) -> None:
 
 
 def serve_together(model: str, configs: list[str], port: int, rep: int, flags: list, wenv: dict,
-                   ws: list, args, opts: dict, cpus) -> dict:
+                   ws: list, args, opts: dict, cpus, checkpoint=None) -> dict:
     """--together: every configuration's server started at once, then each
     workload run on one server at a time; configurations take turns, in
     ``configs`` order on even inner rounds and reversed on odd ones, so no
@@ -1632,9 +1666,13 @@ def serve_together(model: str, configs: list[str], port: int, rep: int, flags: l
                     except Exception as exc:
                         records[cfg]["error"] = repr(exc)
                         print(f"[{cfg} rep{rep}.{inner}] {w} FAILED: {exc!r}", flush=True)
+                    if checkpoint:
+                        checkpoint(runs)
         for cfg in ready if args.check else []:
             flush_counters(servers[cfg][0].url)
     finally:
+        for srv, _, _ in servers.values():  # all at once: each may take seconds to exit
+            srv.terminate()
         for cfg, (srv, log, _) in servers.items():
             stop_launch(srv, log, records[cfg], args)
     for cfg in configs:

@@ -488,8 +488,16 @@ run_stage() {
   local s; s=$(date +%s)
   timeout -k 40 "$t" "$@" > "$RUN/$name.out" 2>&1
   local rc=$?
+  # A cut-off stage's servers (their own sessions: timeout's signals miss
+  # them) must not outlive it: 2026-12-06-s4's held 58 GB of the GPU and
+  # the next command's servers were killed at start-up. Stages run one
+  # at a time, so whatever server is left now is the cut-off stage's.
+  local left_over=""
+  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+    pkill -9 -f '[s]glang.launch_server|[s]glang::' && left_over=" (killed the servers it left running)"
+  fi
   {
-    echo "== $name: rc=$rc$([ $rc -eq 124 ] && echo ' (TIMED OUT)') in $(( $(date +%s) - s )) s (limit $t s)"
+    echo "== $name: rc=$rc$([ $rc -eq 124 ] && echo ' (TIMED OUT)') in $(( $(date +%s) - s )) s (limit $t s)$left_over"
     summarize_stage "$name"
   } > "$RUN/$name.summary"
   return 0

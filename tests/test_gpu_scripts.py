@@ -336,6 +336,40 @@ def test_core_probe_and_sigterm_cleanup(tmp_path):
     assert proc.wait(timeout=30) == 143
     assert marker.read_text() == "yes"
 
+    # The handler itself signals every live server's group before the
+    # finally blocks run: a 'server' (its own session, as Server starts
+    # one) that nothing else stops exits with the script.
+    script.write_text(
+        "import subprocess, sys, time\n"
+        f"sys.path.insert(0, {str(SCRIPTS)!r})\n"
+        "import e2e_gpu\n"
+        "e2e_gpu.exit_on_sigterm()\n"
+        "server = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],\n"
+        "                          start_new_session=True)\n"
+        "e2e_gpu.LIVE_SERVER_GROUPS.add(server.pid)\n"
+        "print(server.pid, flush=True)\n"
+        "time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    server = int(proc.stdout.readline())
+    try:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 143
+        deadline = time.time() + 20
+        while time.time() < deadline:
+            try:
+                os.kill(server, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        # It may linger as a zombie of init until reaped: its state says.
+        state = Path(f"/proc/{server}/stat")
+        assert not state.exists() or state.read_text().split(") ")[1][0] == "Z", "server outlived SIGTERM"
+    finally:
+        try:
+            os.killpg(server, 9)
+        except ProcessLookupError:
+            pass
+
 
 def test_workload_limit_and_each_configs_share_of_it(capsys):
     # 4 prompts of which the first prefilled alone in 0.1 s; base decodes at
@@ -1211,6 +1245,9 @@ class _StandInServer:
         time.sleep(0.3)
         return 0.3
 
+    def terminate(self):
+        _StandInServer.events.append(("terminate", self.config, time.time()))
+
     def stop(self):
         _StandInServer.events.append(("stop", self.config, time.time()))
         self.endpoint.close()
@@ -1293,8 +1330,13 @@ def test_together_starts_every_server_then_runs_one_at_a_time(tmp_path, monkeypa
     runs, moves = [], []
     real_run = e2e.measured_run
 
+    saved = []  # runs in the partial JSON as each run begins
+
     def run(srv, cfg, *a, **kw):
         _StandInServer.events.append(("run", cfg, time.time()))
+        out = tmp_path / "e2e.json"
+        saved.append(sum(len(by_w["smoke"]) for by_w in json.loads(out.read_text())["runs"].values())
+                     if out.exists() else 0)
         runs.append(cfg)
         return real_run(srv, cfg, *a, **kw)
 
@@ -1310,7 +1352,10 @@ def test_together_starts_every_server_then_runs_one_at_a_time(tmp_path, monkeypa
     kinds = [(k, c) for k, c, _ in _StandInServer.events]
     first_run = kinds.index(("run", "base"))
     assert sorted(c for k, c in kinds[:first_run]) == ["base", "noio", "ours"]  # all started
-    assert all(k == "stop" for k, _ in kinds[first_run + len(runs):])
+    # Every server told to stop before the first is waited for.
+    assert [k for k, _ in kinds[first_run + len(runs):]] == ["terminate"] * 3 + ["stop"] * 3
+    # A command cut off mid-launch keeps the runs made so far.
+    assert saved == list(range(6))
     assert runs == ["base", "ours", "noio", "noio", "ours", "base"]
     idle = (os.sched_getaffinity(0) - {core}) or os.sched_getaffinity(0)
     turn = moves[:3]  # base's first turn: base on the chosen core, the others idle
