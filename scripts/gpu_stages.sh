@@ -85,7 +85,17 @@
 #             (calibrated; "" for the random weights' own top-k),
 #             GF_BOUND_NEW output tokens instead of the workloads' (e.g.
 #             2048), one launch each; GF_BOUND_TOGETHER=1: the configs'
-#             servers start at once and take turns, GF_BOUND_INNER rounds.
+#             servers start at once and take turns, GF_BOUND_INNER rounds
+#             (GF_MEM_FRACTION 0.8 for five or six servers at once);
+#             GF_BOUND_SERVER_ARGS: more server flags for every config
+#             (e.g. "--chunked-prefill-size 2048" for the gaps).
+#             decodelong (4096 out, its own launch): a round of base,
+#             native, ours and noio should take ~240 s on 8 layers (base
+#             ~110 s of it, estimated from 2048 out), ~390 s at
+#             GF_BOUND_NEW=8192: one round per command. 2026-12-06-s4:
+#             decodebound + lone32k at 2048 out, five configs, ~200 s a
+#             round after ~60 s of warm start-up; a cold machine adds
+#             ~115 s of kernel builds to the first server's start.
 #   stream    the streaming policy on and off, side by side (tiny model):
 #             configs GF_STREAM_CONFIGS (stream,ours,base; stream512: a
 #             512-token prefill cap beside stream's 1024), workload
@@ -815,7 +825,7 @@ bound_cmd() {
   # weights each; --max-total-tokens caps every pool anyway.
   "${E2E[@]}" --model "$model" --configs "${GF_BOUND_CONFIGS:-base,native,ours,noio}" ${syn:+--synthetic "$syn"} \
     --workloads "${GF_BOUND_WORKLOADS:-decodebound,lone32k}" ${GF_BOUND_NEW:+--max-new "$GF_BOUND_NEW"} \
-    --warmup 0 --server-args "--mem-fraction-static ${GF_MEM_FRACTION:-0.6} --cuda-graph-max-bs 16" \
+    --warmup 0 --server-args "--mem-fraction-static ${GF_MEM_FRACTION:-0.6} --cuda-graph-max-bs 16 ${GF_BOUND_SERVER_ARGS:-}" \
     "${together[@]}" "${CPU_ARGS[@]}" --out "$RUN/bound.json" --logs "$RUN/bound"
 }
 

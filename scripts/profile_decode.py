@@ -333,20 +333,22 @@ def profile_one(args, config: str, totals: dict, reqs: int) -> int:
             results.append(e2e_gpu.stream_generate(srv.url, e2e_gpu.make_ids(args.prompt, seed), args.new))
 
         threads = [threading.Thread(target=one, args=(s,)) for s in range(reqs)]
-        for t in threads:
-            t.start()
-        joined_s = wait_all_running(log, reqs, args.join_timeout_s)
-        print(f"[{config}] {reqs} running after {joined_s:.0f}s", flush=True)
-        time.sleep(args.warm_s)
-        if args.thread_sample_s > 0:
-            threads_text = busiest_threads(args.thread_sample_s)
-            print(f"[{config}] {threads_text}", flush=True)
-            (out / f"threads_{tag}.txt").write_text(threads_text + "\n")
-        post(srv.url + "/start_profile", {"num_steps": args.steps, "activities": ["CPU", "GPU"],
-                                          "with_stack": not args.no_stack,
-                                          "output_dir": str(prof_dir)})
-        for t in threads:
-            t.join()
+        # The client's own collections would land in the gaps it measures.
+        with e2e_gpu.client_gc_paused():
+            for t in threads:
+                t.start()
+            joined_s = wait_all_running(log, reqs, args.join_timeout_s)
+            print(f"[{config}] {reqs} running after {joined_s:.0f}s", flush=True)
+            time.sleep(args.warm_s)
+            if args.thread_sample_s > 0:
+                threads_text = busiest_threads(args.thread_sample_s)
+                print(f"[{config}] {threads_text}", flush=True)
+                (out / f"threads_{tag}.txt").write_text(threads_text + "\n")
+            post(srv.url + "/start_profile", {"num_steps": args.steps, "activities": ["CPU", "GPU"],
+                                              "with_stack": not args.no_stack,
+                                              "output_dir": str(prof_dir)})
+            for t in threads:
+                t.join()
         time.sleep(2)
         stats = e2e_gpu.log_stats(log, 0)
         print(f"[{config}] {len(results)} done; decode step {stats['decode_step_ms']} ms, "

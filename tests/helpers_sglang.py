@@ -38,6 +38,7 @@ REPORTED_FIELDS = (
     "chunked_prefill_size",
     "max_total_tokens",
     "swa_full_tokens_ratio",
+    "incremental_streaming_output",
 )
 
 _RESULT_MARK = "SERVER_ARGS_RESULTS "

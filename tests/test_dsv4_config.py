@@ -133,6 +133,8 @@ def test_e2e_commands_for_the_tiny_dsv4_pass_the_argument_check(stage_cases, che
         # What deepseek_v4_hook.py forces, whatever the command says.
         assert (result["fields"]["attention_backend"], result["fields"]["page_size"],
                 result["fields"]["kv_cache_dtype"]) == ("dsv4", 256, "fp8_e4m3"), name
+        # e2e_gpu.stream_generate adds up incremental events.
+        assert result["fields"]["incremental_streaming_output"] is True, name
         # A prefill chunk takes SWA slots for all its tokens: one larger than
         # V4's SWA pool (the ratio SGLang sets x the pool) is never scheduled
         # (2026-12-04-s2: base V4 at --max-total-tokens 40000 hung).

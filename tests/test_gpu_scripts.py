@@ -883,7 +883,7 @@ def test_drain_reads_the_pools_from_the_probes_decode_lines(tmp_path, probe_gpu,
             stop = body.get("rid") in aborted
             meta = ({"finish_reason": {"type": "abort"}} if stop else
                     {"spec_verify_ct": n // 2, "spec_accept_length": 2.0} if k == n else {})
-            yield sse({"output_ids": list(range(k)), "meta_info": meta})
+            yield sse({"output_ids": [k - 1], "meta_info": meta})  # incremental: the new token
             if stop:
                 break
             time.sleep(0.02)
@@ -957,6 +957,25 @@ def test_mtp_targets_from_the_summary(capsys):
     assert [(r["workload"], r["met"]) for r in rows] == [("lone", False), ("capacity", True)]
     out = capsys.readouterr().out
     assert "mtp target lone      ours tpot_vs_base 1.070 (target <= 1.05: NOT met; 2 run(s))" in out
+
+
+def test_the_decode_bound_workloads_hold_two_base_requests():
+    """decodebound and decodelong: 16 x 32K prompts whose full length fits
+    the context, and a pool that holds two of them whole (base's batch) but
+    not three, so that ours' hot buffers are what lets 16 decode at once.
+    decodelong gets the same #16 target lines as decodebound."""
+    e2e = _load("e2e_gpu", SCRIPTS / "e2e_gpu.py")
+    for name in ("decodebound", "decodelong"):
+        groups, out_tokens, flags = e2e.WORKLOADS[name]
+        (prompts,) = groups
+        pool = int(flags[flags.index("--max-total-tokens") + 1])
+        context = int(flags[flags.index("--context-length") + 1])
+        whole = max(prompts) + out_tokens
+        assert len(prompts) == 16 and whole <= context
+        assert 2 * whole <= pool < 3 * max(prompts), name
+    targets = {k[1:] for k in e2e.REALISTIC_TARGETS if k[0] == "decodebound"}
+    assert targets == {k[1:] for k in e2e.REALISTIC_TARGETS if k[0] == "decodelong"}
+    assert ("ours", "summary", "tok_s_vs_base") in targets
 
 
 @pytest.mark.parametrize("synthetic, noio_met", [("calibrated", False), (None, True)])
@@ -1174,7 +1193,7 @@ def test_a_server_whose_log_stops_is_reported_stalled_not_waited_for(tmp_path):
             time.sleep(1.6)
             with log.open("a") as f:
                 f.write("Decode batch, #running-req: 1\n")
-            yield sse({"output_ids": list(range(k)), "meta_info": {}})
+            yield sse({"output_ids": [k - 1], "meta_info": {}})
         yield "data: [DONE]"
 
     ep = Endpoint(slow)
@@ -1204,6 +1223,70 @@ def test_a_workloads_requests_come_back_in_the_order_sent():
     finally:
         ep.close()
     assert [r["output_ids"][0] for r in res["requests"]] == [600, 3000, 9000, 7000, 8500]
+
+
+def test_a_stream_of_incremental_events_adds_up():
+    """Every server streams with --incremental-streaming-output: each event
+    holds its new tokens and their logprobs (several under MTP), the scalars
+    are the request's so far. stream_generate returns the whole output; the
+    drain's abort_after counts the tokens, not the events."""
+    from test_pd_gpu_script import Endpoint, sse
+
+    e2e = _load("e2e_gpu", SCRIPTS / "e2e_gpu.py")
+    cmd, _ = e2e.server_cmd("/m", 1, "ours", [])
+    assert "--incremental-streaming-output" in cmd
+    chunks = [[5], [6, 7], [8]]  # the second: a verify step that accepted two
+
+    def answer(body):
+        for k, ids in enumerate(chunks):
+            last = k == len(chunks) - 1
+            yield sse({"output_ids": ids, "meta_info": {
+                "output_token_logprobs": [[-0.5 * t, t, None] for t in ids],
+                "output_top_logprobs": [[[-0.5 * t, t, None], [-9.0, 1, None]] for t in ids],
+                "spec_verify_ct": k + 1, "finish_reason": {"type": "length"} if last else None}})
+        yield "data: [DONE]"
+
+    ep = Endpoint(answer)
+    try:
+        out = e2e.stream_generate(ep.url, [1, 2, 3], 4)
+        aborted = e2e.abort_after(ep.url, [1, 2, 3], 4, 99, "rid")
+    finally:
+        ep.close()
+    assert out["output_ids"] == [5, 6, 7, 8]
+    assert out["logprobs"] == [-2.5, -3.0, -3.5, -4.0]
+    assert out["top2"] == [[-2.5, -9.0], [-3.0, -9.0], [-3.5, -9.0], [-4.0, -9.0]]
+    assert (out["spec_verify_ct"], out["finish_reason"]) == (3, {"type": "length"})
+    assert len(out["gaps_ms"]) == 2  # between events
+    assert (aborted["streamed"], aborted["output_tokens"]) == (3, 4)
+
+
+def test_the_client_collects_no_garbage_while_a_workload_streams(monkeypatch):
+    """The benchmark client's own collections landed in the inter-token gaps
+    it measures (2026-12-06-s4): while a workload's requests stream, the
+    collector is off; afterwards it is as it was."""
+    import gc
+
+    from test_pd_gpu_script import Endpoint, sse
+
+    e2e = _load("e2e_gpu", SCRIPTS / "e2e_gpu.py")
+    seen = []
+    real = e2e.stream_generate
+
+    def stream(*a, **kw):
+        seen.append(gc.isenabled())
+        return real(*a, **kw)
+
+    monkeypatch.setattr(e2e, "stream_generate", stream)
+    ep = Endpoint(lambda body: iter([sse({"output_ids": [1], "meta_info": {}}), "data: [DONE]"]))
+    try:
+        for before in (True, False):
+            (gc.enable if before else gc.disable)()
+            seen.clear()
+            e2e.run_workload(ep.url, "smoke", max_new=1)
+            assert seen == [False] * 5 and gc.isenabled() == before
+    finally:
+        gc.enable()
+        ep.close()
 
 
 class _StandInServer:
