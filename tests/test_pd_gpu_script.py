@@ -438,3 +438,28 @@ def test_exact_verdict_judges_a_step_over_tol_against_the_wide_control(monkeypat
     assert not v["ok"] and not v["pd-ours"]["within_tolerance"]["capacity"]
     assert v["pd-ours"]["within_tolerance"]["smoke"]
     assert _part_exact(monkeypatch, 0.04, 0.0)["ok"]  # within --tol needs no control
+
+
+def test_stop_all_tells_every_server_before_waiting_for_any(monkeypatch, tmp_path):
+    """A PD run holds up to ten servers; stopped one after the other each
+    may take 30 s, longer than a cut-off stage's grace. stop_all signals
+    them all first, and a node stopped earlier is left alone."""
+    events = []
+
+    class Recorder:  # e2e_gpu.Server's stop interface
+        def __init__(self, model, port, config, *a, **kw):
+            self.config, self.url = config, f"http://127.0.0.1:{port}"
+
+        def terminate(self):
+            events.append(("terminate", self.config))
+
+        def stop(self):
+            events.append(("stop", self.config))
+
+    monkeypatch.setattr(pd.e2e, "Server", Recorder)
+    monkeypatch.setattr(pd, "_NODES", [])
+    nodes = [pd.Node(name, name, [], tmp_path, "/m") for name in ("a", "b", "c")]
+    nodes[1].stop()
+    events.clear()
+    pd.stop_all()
+    assert events == [("terminate", "a"), ("terminate", "c"), ("stop", "a"), ("stop", "c")]
