@@ -851,14 +851,24 @@ DRAIN_PROBE_LINES = {
 }
 
 
+DRAIN_LOGGED_TRACEBACKS = {
+    "": "",
+    "benign": ("Can not initialize OpenAIServingResponses, error: Traceback (most recent call last):\n"
+               "ModuleNotFoundError: No module named 'openai_harmony'\n"),
+    "crash": "Traceback (most recent call last):\nRuntimeError: CUDA error\n",
+}
+
+
 @pytest.mark.parametrize("arch", sorted(DRAIN_PROBE_LINES))
-@pytest.mark.parametrize("probe_gpu,retracted,ok", [(640, 1, True), (4800, 1, False), (640, 0, False)])
-def test_drain_reads_the_pools_from_the_probes_decode_lines(tmp_path, probe_gpu, retracted, ok, arch,
-                                                            capsys):
+@pytest.mark.parametrize("probe_gpu,retracted,logged,ok", [
+    (640, 1, "benign", True), (4800, 1, "", False), (640, 0, "", False), (640, 1, "crash", False)])
+def test_drain_reads_the_pools_from_the_probes_decode_lines(tmp_path, probe_gpu, retracted, logged, ok,
+                                                            arch, capsys):
     """The drain workload against a stand-in /generate that writes the log
     lines a server would: retraction events while the drain runs (retracting
     one request each, or none: one request running, as V4 at 30000 did),
-    then the probe's decode lines (the pools with the probe alone, or with a
+    with 0.5.13's benign start-up traceback or a crash's among them, then
+    the probe's decode lines (the pools with the probe alone, or with a
     leaked hot buffer or SWA window)."""
     from test_pd_gpu_script import Endpoint, sse
 
@@ -878,7 +888,8 @@ def test_drain_reads_the_pools_from_the_probes_decode_lines(tmp_path, probe_gpu,
             probes.append(640 if not probes else probe_gpu)
         with log.open("a") as f:
             f.write(DRAIN_PROBE_LINES[arch].format(held=probes[-1])
-                    if probe else f"Testing retraction. #retracted_reqs: {retracted}\n")
+                    if probe else f"Testing retraction. #retracted_reqs: {retracted}\n"
+                    + DRAIN_LOGGED_TRACEBACKS[logged])
         for k in range(1, n + 1):
             stop = body.get("rid") in aborted
             meta = ({"finish_reason": {"type": "abort"}} if stop else
