@@ -1144,6 +1144,10 @@ def summarize_spec(results, configs, workloads) -> list[dict]:
 
 
 _RUNNING = re.compile(r"Decode batch.*?#running-req: (\d+)")
+_PREFILL = re.compile(r"Prefill batch.*?#new-token: (\d+).*?input throughput \(token/s\): ([\d.]+)")
+# A prefill log line's rate is its tokens over the time since the previous
+# prefill line; lines this size or more are chunks of long prompts.
+PREFILL_RATE_MIN_TOKENS = 1024
 _DECODE = re.compile(r"Decode batch.*?#running-req: (\d+).*?gen throughput \(token/s\): ([\d.]+)")
 
 
@@ -1188,6 +1192,16 @@ def decode_only(text: str) -> dict:
 _BENIGN_TRACEBACK = "Can not initialize OpenAIServingResponses, error: Traceback"
 
 
+def prefill_rate(text: str) -> Optional[float]:
+    """The server's prefill speed in prompt tokens/s: the median ``input
+    throughput`` of its prefill lines of at least PREFILL_RATE_MIN_TOKENS
+    tokens. The first line of a burst measures the time since the last
+    prefill, which decode steps (or, on a cold machine, kernel builds) fill;
+    the median leaves those few out. None: no such line."""
+    rates = [float(r) for n, r in _PREFILL.findall(text) if int(n) >= PREFILL_RATE_MIN_TOKENS]
+    return statistics.median(rates) if rates else None
+
+
 def count_tracebacks(text: str) -> dict:
     """Tracebacks in a log: those of 0.5.13's benign start-up line, and the rest."""
     benign = text.count(_BENIGN_TRACEBACK)
@@ -1210,6 +1224,7 @@ def log_stats(log_path: Path, since: int) -> dict:
         "max_running": max(running) if running else None,
         "mean_running": statistics.mean(running) if running else None,
         "decode_step_ms": statistics.median(steps) if steps else None,
+        "prefill_tok_s": prefill_rate(text),
         "hisparse_misses": misses[-1] if misses else None,
         "hisparse_hit_rate": float(hit_rate[-1]) if hit_rate else None,
         "hisparse_host_read_mib": float(read_mib[-1]) if read_mib else None,
@@ -1844,20 +1859,31 @@ def _med(xs):
 
 def workload_limit(base_runs: list, out_tokens: int) -> Optional[dict]:
     """Estimate the best output rate any scheduler could reach on a workload,
-    from base's own runs: the GPU prefills the prompts one after another, each
-    taking about as long as the first request's time to first token (the one
-    prefill that ran alone), and the request prefilled last still decodes its
-    other tokens one step at a time, each at least base's median decode step.
-    Decoding that overlaps prefill counts as free, so
-    n x first TTFT + (tokens - 1) x step bounds the wall time from below."""
-    ttft, _ = _med([min(q["ttft"] for q in r["requests"]) for r in base_runs if r.get("requests")])
+    from base's own runs: the GPU prefills the prompts one after another, and
+    the request prefilled last still decodes its other tokens one step at a
+    time, each at least base's median decode step. Decoding that overlaps
+    prefill counts as free, so n x prefill + (tokens - 1) x step bounds the
+    wall time from below. A prompt's prefill is its length over the server's
+    prefill rate (``prefill_tok_s``, from its log) where the runs have one,
+    else the first request's time to first token (the one prefill that ran
+    alone). The TTFT alone misled on a cold machine: base's first request
+    built the kernels (10.3 s against 0.6 s warm, 2026-12-06-s5), and the
+    limit came out below base's own rate."""
+    runs = [r for r in base_runs if r.get("requests")]
     step_ms, _ = _med([r.get("decode_step_ms") for r in base_runs])
-    n = max((len(r["requests"]) for r in base_runs), default=0)
-    if not ttft or not step_ms or not n:
+    n = max((len(r["requests"]) for r in runs), default=0)
+    rate, _ = _med([r.get("prefill_tok_s") for r in runs])
+    prompt, _ = _med([q.get("prompt_len") for r in runs for q in r["requests"]])
+    if rate and prompt:
+        prefill_s, source = prompt / rate, "server prefill rate"
+    else:
+        prefill_s, _ = _med([min(q["ttft"] for q in r["requests"]) for r in runs])
+        source = "first TTFT"
+    if not prefill_s or not step_ms or not n:
         return None
-    wall = n * ttft + (out_tokens - 1) * step_ms / 1e3
-    return {"output_tok_s": n * out_tokens / wall, "prompts": n, "first_ttft_s": ttft,
-            "step_ms": step_ms, "wall_s": wall}
+    wall = n * prefill_s + (out_tokens - 1) * step_ms / 1e3
+    return {"output_tok_s": n * out_tokens / wall, "prompts": n, "prefill_s": prefill_s,
+            "prefill_from": source, "step_ms": step_ms, "wall_s": wall}
 
 
 def summarize_decode(results, configs, workloads) -> list[dict]:
@@ -2053,7 +2079,7 @@ def summarize(results, configs, workloads, margin, tol, invalid=("noio",)) -> li
             print(f"{w:<11} limit   ~{limit['output_tok_s']:.1f} tok/s "
                   f"(x{limit['output_tok_s'] / base_tps:.2f} base"
                   + (f", x{limit['output_tok_s'] / native_tps:.2f} native" if native_tps else "")
-                  + f") = {limit['prompts']} prefills x {limit['first_ttft_s']:.3f} s + "
+                  + f") = {limit['prompts']} prefills x {limit['prefill_s']:.3f} s ({limit['prefill_from']}) + "
                   f"{out_tokens - 1} steps x {limit['step_ms']:.2f} ms; share of it: {shares}",
                   flush=True)
             rows.append({"workload": w, "config": "limit", **limit,

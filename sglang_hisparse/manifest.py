@@ -187,6 +187,8 @@ _ALLOC = "sglang_hisparse.pools.allocator:HiSparseDualAllocator"
 _RETAIN = "sglang_hisparse.engine.policies.retain_on_retract:RetainOnRetract"
 _DEMAND = "sglang_hisparse.adapter.scheduler:scheduler_prefill_demand"
 _STREAMING_HOOK = "sglang_hisparse.adapter.scheduler:scheduler_get_new_batch_prefill"
+_GROWTH_ON_HOST = "sglang_hisparse.adapter.prefill_adder:adder_init_growth_on_host"
+_IGNORE_EOS_HOOK = "sglang_hisparse.adapter.prefill_adder:adder_add_one_req_ignore_eos"
 _COUNT = "sglang_hisparse.engine.streams:RealRequestCount"
 _DRAFT_SWA = "sglang_hisparse.adapter.disaggregation_dsv4:register_draft_swa_state"
 _ROLES = "sglang_hisparse.engine.index_share:roles_from_config"
@@ -546,6 +548,37 @@ HOOKS: tuple[Entry, ...] = (
         impl="sglang_hisparse.adapter.scheduler:scheduler_get_new_batch_prefill",
         upstream="none: 0.5.23 prefers prefill as 0.5.13 does (srt/managers/scheduler.py)",
         tests=("tests/test_streaming.py",),
+    ),
+    _data_plane_hook(
+        target=f"{_ADDER}.__init__",
+        kind=Kind.AFTER,
+        why=(
+            "0.5.13 charges the running requests' expected tokens "
+            "(rem_total_token_offset) to available_size(), whose device side binds "
+            "under HiSparse; a HiSparse request's device rows do not grow (its hot "
+            "buffer is fixed from staging to finish), its new tokens take host rows. "
+            "Ours credits them back on the device side: rem_total_tokens = "
+            "min(host - growth, device) - the batch's own prompts and outputs "
+            "(SGLANG_HISPARSE_HOST_GROWTH=0: 0.5.13's). Also relied on: the DSV4 "
+            "allocator class is looked up by name at call time (pools/allocator_c4)."
+        ),
+        impl=_GROWTH_ON_HOST,
+        upstream="none: 0.5.23 charges decode growth to available_size() (srt/managers/schedule_policy.py)",
+        tests=("tests/test_prefill_adder.py", "tests/test_parking.py", "tests/test_dsv4.py"),
+    ),
+    _data_plane_hook(
+        target=f"{_ADDER}.add_one_req_ignore_eos",
+        kind=Kind.AROUND,
+        why=(
+            "With ignore_eos and the radix cache off (HiSparse requires it) 0.5.13 "
+            "simulates every request to its end against available_size(): 16 x 32K "
+            "prompts x 6144 out ran at most 11 at once, one more every ~5 s "
+            "(2026-12-06-s5). Ours checks the prompt against both sides, then runs "
+            "the simulation against host rows only."
+        ),
+        impl=_IGNORE_EOS_HOOK,
+        upstream="none: 0.5.23 has the same simulation (srt/managers/schedule_policy.py)",
+        tests=("tests/test_prefill_adder.py",),
     ),
     Entry(
         target=(
@@ -1151,18 +1184,11 @@ DEPENDS: tuple[Entry, ...] = (
         tests=("tests/test_parking.py", "tests/test_streaming.py"),
     ),
     _depends(
-        f"{_ADDER}.__init__",
-        "rem_total_token_offset starts at the running requests' expected tokens; "
-        "the DSV4 allocator class is looked up by name at call time",
-        (_DEMAND, "sglang_hisparse.pools.allocator_c4:DSV4HiSparseAllocator"),
-        tests=("tests/test_parking.py", "tests/test_dsv4.py"),
-    ),
-    _depends(
         f"{_ADDER}._get_running_request_total_token_offset",
         "a running request costs min(max_new_tokens - outputs, CLIP_MAX_NEW_TOKENS) "
         "* new_token_ratio",
-        (_DEMAND,),
-        tests=("tests/test_parking.py",),
+        (_DEMAND, _GROWTH_ON_HOST),
+        tests=("tests/test_parking.py", "tests/test_prefill_adder.py"),
     ),
     _depends(
         f"{_ADDER}.add_one_req",
@@ -1182,14 +1208,14 @@ DEPENDS: tuple[Entry, ...] = (
     _depends(
         f"{_ADDER}.rem_total_tokens",
         "admission budget = allocator available_size() + evictable - offset",
-        (_DEMAND, f"{_ALLOC}.available_size"),
-        tests=("tests/test_parking.py", "tests/test_allocator.py"),
+        (_DEMAND, f"{_ALLOC}.available_size", _GROWTH_ON_HOST, _IGNORE_EOS_HOOK),
+        tests=("tests/test_parking.py", "tests/test_allocator.py", "tests/test_prefill_adder.py"),
     ),
     _depends(
         f"{_ADDER}.cur_rem_tokens",
         "the per-batch budget reads allocator available_size() the same way",
-        (f"{_ALLOC}.available_size",),
-        tests=("tests/test_allocator.py",),
+        (f"{_ALLOC}.available_size", _IGNORE_EOS_HOOK),
+        tests=("tests/test_allocator.py", "tests/test_prefill_adder.py"),
     ),
     # --- batches: decode preparation, retraction.
     _depends(

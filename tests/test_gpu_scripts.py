@@ -7,6 +7,7 @@ import gzip
 import importlib.util
 import json
 import os
+import statistics
 import sys
 import threading
 import time
@@ -388,9 +389,36 @@ def test_workload_limit_and_each_configs_share_of_it(capsys):
                "ours": {"tiny": [run(80.0, [0.1, 0.2, 0.3, 0.4])]}}
     rows = e2e.summarize(results, ["base", "ours"], ["tiny"], 0.05, 0.05)
     line = capsys.readouterr().out.splitlines()[-1]
-    assert line.startswith("tiny        limit   ~95.7 tok/s (x1.91 base) = 4 prefills x 0.100 s")
+    assert line.startswith("tiny        limit   ~95.7 tok/s (x1.91 base) = 4 prefills x 0.100 s (first TTFT)")
     assert line.endswith("share of it: base 0.52, ours 0.84")
     assert rows[-1]["config"] == "limit" and abs(rows[1]["tok_s_vs_limit"] - 80 / (40 / 0.418)) < 1e-9
+
+
+def test_the_limit_takes_the_prefill_from_the_server_log_over_a_cold_first_ttft(tmp_path):
+    # 2026-12-06-s5: base's first decodelong request built the kernels
+    # (TTFT 10.3 s, warm 0.6 s), and the TTFT-based limit came out at 0.93x
+    # base's own rate. The log's prefill lines give the warm rate: the cold
+    # chunk, and the first chunk of a burst (its interval held decode steps),
+    # are outliers the median leaves out.
+    e2e = _load("e2e_gpu", SCRIPTS / "e2e_gpu.py")
+    rates = [694.0, 57114.5, 17838.5, 26832.8, 63797.2, 55954.1, 47160.8, 60702.5,
+             427.5, 57065.7, 52027.4, 49639.6, 60635.9, 53595.6, 48235.1, 52852.0]
+    lines = ["[t] Prefill batch, #new-seq: 1, #new-token: 64, #cached-token: 0, "
+             "input throughput (token/s): 8.69"]  # the warm-up request: too short to count
+    lines += [f"[t] Prefill batch, #new-seq: 1, #new-token: 8192, #cached-token: 0, token usage: 0.2, "
+              f"#running-req: 0, cuda graph: False, input throughput (token/s): {r}" for r in rates]
+    log = tmp_path / "base.log"
+    log.write_text("\n".join(lines) + "\n")
+    rate = e2e.log_stats(log, 0)["prefill_tok_s"]
+    assert rate == statistics.median(rates) and 52000 < rate < 54000
+    reqs = [{"ttft": 10.3 + 30 * k, "prompt_len": 32000, "output_ids": [1] * 10} for k in range(4)]
+    limit = e2e.workload_limit([{"requests": reqs, "decode_step_ms": 3.1, "prefill_tok_s": rate}], 10)
+    assert limit["prefill_from"] == "server prefill rate"
+    assert abs(limit["prefill_s"] - 32000 / rate) < 1e-12 and limit["prefill_s"] < 0.62
+    assert abs(limit["wall_s"] - (4 * 32000 / rate + 9 * 3.1e-3)) < 1e-9
+    # without the log's rate, the cold TTFT is all there is
+    reqs_only = e2e.workload_limit([{"requests": reqs, "decode_step_ms": 3.1}], 10)
+    assert reqs_only["prefill_from"] == "first TTFT" and reqs_only["prefill_s"] == 10.3
 
 
 # --- model_config.py, e2e's --ref-pkg and --check (appended) ---

@@ -174,7 +174,12 @@ def test_the_batch_grows_to_what_hot_buffers_allow(parking, residency):
     assert env.drained() and not env.coord.has_ongoing_staging()
 
 
-def test_scheduler_demand_costs_the_next_prompt_like_prefill_adder():
+@pytest.mark.parametrize("host_growth", ["1", "0"])
+def test_scheduler_demand_costs_the_next_prompt_like_prefill_adder(monkeypatch, host_growth):
+    # Default: the running requests' expected tokens take host rows
+    # (adapter/prefill_adder.py), so the next prompt's device cost leaves
+    # them out; SGLANG_HISPARSE_HOST_GROWTH=0: 0.5.13's costing, with them.
+    monkeypatch.setenv("SGLANG_HISPARSE_HOST_GROWTH", host_growth)
     from sglang_hisparse.adapter.scheduler import scheduler_prefill_demand
 
     from sglang.srt.managers.schedule_batch import ScheduleBatch
@@ -196,7 +201,8 @@ def test_scheduler_demand_costs_the_next_prompt_like_prefill_adder():
         new_token_ratio_tracker=NewTokenRatioTracker(init=0.5, min=0.5, decay=0.0, current=0.5),
         max_running_requests=4, req_to_token_pool=slots,
     )
-    assert scheduler_prefill_demand(scheduler) == PrefillDemand(488, 600 + 16 + 6 + 1, 1, 4)
+    ahead = 6 if host_growth == "0" else 0  # 12 tokens to come x ratio 0.5
+    assert scheduler_prefill_demand(scheduler) == PrefillDemand(488, 600 + 16 + ahead + 1, 1, 4)
     slots.alloc([make_req("holder", 1)])  # no request slot: the waiting prompt cannot be admitted
     scheduler.chunked_req = None
     assert scheduler_prefill_demand(scheduler) == PrefillDemand(0, 0, 1, 4)

@@ -123,11 +123,14 @@ def scheduler_get_new_batch_prefill(original, self, *args, **kwargs):
 
 def scheduler_prefill_demand(scheduler, running_batch=None):
     """The scheduler's prefill work in the coordinator's terms. The next
-    waiting request is costed as ``PrefillAdder`` costs it: prompt, clipped
-    max_new_tokens, plus the running requests' expected future tokens
-    (``running_batch``'s; None: the scheduler's own)."""
+    waiting request is costed as ``PrefillAdder`` costs it on the device
+    side: prompt and clipped max_new_tokens. The running requests' expected
+    tokens (``running_batch``'s; None: the scheduler's own) take host rows
+    (:mod:`.prefill_adder`) and are added only where 0.5.13's costing is kept
+    (``SGLANG_HISPARSE_HOST_GROWTH=0``)."""
     from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
 
+    from sglang_hisparse.adapter.prefill_adder import host_growth_enabled
     from sglang_hisparse.engine.policies.parking import PrefillDemand
 
     in_flight = 0
@@ -141,11 +144,12 @@ def scheduler_prefill_demand(scheduler, running_batch=None):
     next_tokens = 0
     if scheduler.waiting_queue and scheduler.req_to_token_pool.available_size() > 0:
         req = scheduler.waiting_queue[0]
-        ahead = sum(min(r.sampling_params.max_new_tokens - len(r.output_ids), CLIP_MAX_NEW_TOKENS)
-                    for r in running)
         next_tokens = (len(req.origin_input_ids) + len(req.output_ids)
-                       + min(req.sampling_params.max_new_tokens, CLIP_MAX_NEW_TOKENS)
-                       + int(ahead * scheduler.new_token_ratio_tracker.current) + 1)
+                       + min(req.sampling_params.max_new_tokens, CLIP_MAX_NEW_TOKENS) + 1)
+        if not host_growth_enabled():
+            ahead = sum(min(r.sampling_params.max_new_tokens - len(r.output_ids),
+                            CLIP_MAX_NEW_TOKENS) for r in running)
+            next_tokens += int(ahead * scheduler.new_token_ratio_tracker.current)
     return PrefillDemand(in_flight, next_tokens, len(running), scheduler.max_running_requests)
 
 

@@ -20,11 +20,12 @@ soon as its copy is done. A staged request whose hot buffer finds no rows
 are free. Colocated DSA only (DeepSeek-V4's C4 rows keep the plain staging
 path).
 
-With streaming on (the default, :mod:`.streaming`) no rows are held back for
-a prompt that has not started prefilling: a staged request parks only while
-the prefill in flight needs its rows, and new prompts wait for parked
-requests instead. Parking's prefill-ahead (the whole queue prefilled before
-parked requests join) is what ``SGLANG_HISPARSE_STREAMING=0`` keeps.
+With streaming on (:mod:`.streaming`, ``SGLANG_HISPARSE_STREAMING=1``; off
+by default) no rows are held back for a prompt that has not started
+prefilling: a staged request parks only while the prefill in flight needs
+its rows, and new prompts wait for parked requests instead. Parking's
+prefill-ahead (the whole queue prefilled before parked requests join) is
+the default.
 """
 
 from __future__ import annotations

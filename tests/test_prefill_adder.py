@@ -1,0 +1,138 @@
+"""SGLang's real ``PrefillAdder`` over our allocator, with and without the
+hooks of ``adapter/prefill_adder.py``: the running requests' decode growth
+takes host rows, not device rows.
+
+Three requests of 300 tokens run (each holds its padded hot buffer, HOT + PS
+= 192 device rows: 448 of 1024 stay free); the host holds 8 x 1024 rows.
+0.5.13 charges their expected tokens to min(host, device) and refuses a
+prompt the device can hold; with the hooks it is admitted, while a prompt the
+device cannot hold, or growth the host cannot hold, is still refused. The
+hooks are installed the way ``HookRegistry`` installs AFTER and AROUND hooks.
+"""
+
+import functools
+
+import pytest
+
+from dataplane_fixtures import PS, chunk_cache, make_req, sglang_server_args
+from test_coordinator import HOT, Env
+from sglang_hisparse.adapter import prefill_adder as hooks
+
+
+@pytest.fixture
+def adder_cls(request, monkeypatch):
+    """``PrefillAdder``, hooked when the test is parametrized with "hooked"
+    (then its ``hooked`` attribute is set for the test)."""
+    from sglang.srt.managers.schedule_policy import PrefillAdder
+
+    if request.param == "hooked":
+        init, ignore_eos = PrefillAdder.__init__, PrefillAdder.add_one_req_ignore_eos
+
+        @functools.wraps(init)
+        def after_init(self, *args, **kwargs):
+            return hooks.adder_init_growth_on_host(init(self, *args, **kwargs), self, *args, **kwargs)
+
+        @functools.wraps(ignore_eos)
+        def around_ignore_eos(self, *args, **kwargs):
+            return hooks.adder_add_one_req_ignore_eos(ignore_eos, self, *args, **kwargs)
+
+        monkeypatch.setattr(PrefillAdder, "__init__", after_init)
+        monkeypatch.setattr(PrefillAdder, "add_one_req_ignore_eos", around_ignore_eos)
+    monkeypatch.setattr(PrefillAdder, "hooked", request.param == "hooked", raising=False)
+    with sglang_server_args():
+        yield PrefillAdder
+
+
+def _req(rid, n, max_new, ignore_eos):
+    req = make_req(rid, n)
+    req.sampling_params.max_new_tokens = max_new
+    req.sampling_params.ignore_eos = ignore_eos
+    return req
+
+
+def _running(env, max_new, ignore_eos=True):
+    reqs = [env.staged(f"run{i}", 300) for i in range(3)]
+    assert env.coord.collect_ready_reqs() == reqs
+    for r in reqs:
+        r.sampling_params.max_new_tokens = max_new
+        r.sampling_params.ignore_eos = ignore_eos
+    return reqs
+
+
+def _admit(adder_cls, env, running, req):
+    """One ``add_one_req`` (SGLang's own dispatch to the ignore_eos path)."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+    adder = adder_cls(PS, chunk_cache(env.r2t, env.alloc), env.alloc, ScheduleBatch(reqs=running),
+                      0.5, 10**6, None)
+    req.init_next_round_input()
+    result = adder.add_one_req(req, False, None)
+    return result.name, [r.rid for r in adder.can_run_list]
+
+
+def _finish(env, reqs):
+    for r in reqs:
+        env.finish(r)
+    assert env.drained()
+
+
+@pytest.mark.parametrize("adder_cls", ["sglang", "hooked"], indirect=True)
+def test_ignore_eos_prompt_waits_for_device_rows_only_without_the_hooks(adder_cls):
+    env = Env(phys=1024, ratio=8)
+    running = _running(env, max_new=1000)
+    logical, physical = env.alloc.budgets()
+    assert physical == 1024 - 3 * (HOT + PS) and logical > 5000
+    got = _admit(adder_cls, env, running, _req("w", 256, 1000, ignore_eos=True))
+    # 0.5.13 simulates 4 requests x 1000 tokens against 448 device rows. The
+    # hooks simulate them against the host's rows and admit it; the prompt
+    # and its own clipped output (256 + 1000 + a page) then use up the
+    # batch's device budget, so no further prompt joins this batch.
+    assert got == (("NO_TOKEN", ["w"]) if adder_cls.hooked else ("NO_TOKEN", []))
+    _finish(env, running)
+
+
+@pytest.mark.parametrize("adder_cls", ["sglang", "hooked"], indirect=True)
+def test_clipped_ratio_path_charges_running_growth_to_host_only_with_the_hooks(adder_cls):
+    # Without ignore_eos: 3 x 1000 x 0.5 = 1500 expected tokens ahead.
+    env = Env(phys=1024, ratio=8)
+    running = _running(env, max_new=1000, ignore_eos=False)
+    got = _admit(adder_cls, env, running, _req("w", 256, 100, ignore_eos=False))
+    assert got == (("CONTINUE", ["w"]) if adder_cls.hooked else ("NO_TOKEN", []))
+    _finish(env, running)
+
+
+@pytest.mark.parametrize("adder_cls", ["hooked"], indirect=True)
+@pytest.mark.parametrize("ignore_eos", [True, False])
+def test_a_prompt_the_device_cannot_hold_is_still_refused(adder_cls, ignore_eos):
+    env = Env(phys=1024, ratio=8)
+    running = _running(env, max_new=1000, ignore_eos=ignore_eos)
+    # 512 rows of prompt against 448 free device rows
+    assert _admit(adder_cls, env, running, _req("w", 512, 10, ignore_eos)) == ("NO_TOKEN", [])
+    _finish(env, running)
+
+
+@pytest.mark.parametrize("adder_cls", ["hooked"], indirect=True)
+def test_growth_the_host_cannot_hold_is_still_refused(adder_cls):
+    # 4 requests x 2000 tokens to come exceed the host's free rows.
+    env = Env(phys=1024, ratio=8)
+    running = _running(env, max_new=2000)
+    logical, _ = env.alloc.budgets()
+    assert logical - 256 < 4 * 2000
+    assert _admit(adder_cls, env, running, _req("w", 256, 2000, True)) == ("NO_TOKEN", [])
+    _finish(env, running)
+
+
+@pytest.mark.parametrize("adder_cls", ["hooked"], indirect=True)
+def test_host_growth_off_keeps_sglangs_costing(adder_cls, monkeypatch):
+    monkeypatch.setenv(hooks.HOST_GROWTH_ENV, "0")
+    env = Env(phys=1024, ratio=8)
+    running = _running(env, max_new=1000)
+    assert _admit(adder_cls, env, running, _req("w", 256, 1000, True)) == ("NO_TOKEN", [])
+    _finish(env, running)
+
+
+def test_device_growth_credit():
+    # host binds: nothing to give back; device binds: up to the growth
+    assert hooks.device_growth_credit(100, 500, 300) == 0
+    assert hooks.device_growth_credit(1000, 500, 300) == 300
+    assert hooks.device_growth_credit(600, 500, 300) == 100
