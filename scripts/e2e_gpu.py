@@ -48,6 +48,10 @@ Configurations:
           and decoded from a hot buffer; ours keeps requests resident while
           rows allow, so on short workloads only nores reaches the hot-buffer
           path)
+  devgrowth ours with SGLANG_HISPARSE_HOST_GROWTH=0: admission charges the
+          running requests' decode growth to GPU rows, as 0.5.13 does (ours
+          charges it to host rows; 2026-12-06-s5: 16 x 32K x 6144 out ran at
+          most 11 at once under 0.5.13's costing)
   stock   0.5.13 as shipped, plugin not loaded (expected to crash at the
           first decode step)
   bare    base with every plugin but ours (SGLang alone, no HiSparse): what
@@ -285,7 +289,7 @@ WORKLOAD_ENV = {"drain": {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTER
 
 CONFIGS = ("base", "native", "ours", "nopark", "stream", "stream512", "nostream", "noio", "sync", "warp", "prio16",
            "prio0", "nograph",
-           "nores", "stock", "ref", "plain", "base2", "bare")
+           "nores", "devgrowth", "stock", "ref", "plain", "base2", "bare")
 # Configurations launched without --enable-hisparse.
 WITHOUT_HISPARSE_FLAG = ("base", "base2", "plain", "bare")
 # Configurations that do not run this package's data plane: no --check for
@@ -295,13 +299,13 @@ NO_HISPARSE = WITHOUT_HISPARSE_FLAG + ("stock",)
 # --check must find in them: noio skips the host copies, a planted fault.
 CHECK_EXPECT = {"ours": "exact", "nopark": "exact", "stream": "exact", "stream512": "exact",
                 "nostream": "exact", "sync": "exact", "warp": "exact", "prio16": "exact", "prio0": "exact",
-                "nograph": "exact", "nores": "exact", "noio": "mismatch"}
+                "nograph": "exact", "nores": "exact", "devgrowth": "exact", "noio": "mismatch"}
 CHECK_ENV = "SGLANG_HISPARSE_CHECK"
 SYNTHETIC_ENV = "SGLANG_HISPARSE_SYNTHETIC_TOPK"
 # Where --synthetic reaches: this work tree's data plane, and SGLang's own
 # through the plugin's native-mode hook (adapter/native.py).
 SYNTHETIC_CONFIGS = ("ours", "nopark", "stream", "stream512", "nostream", "noio", "sync", "warp", "prio16", "prio0",
-                     "nores", "nograph", "native")
+                     "nores", "devgrowth", "nograph", "native")
 # The IndexShare prefetch configurations, each compared with sync and noio.
 PREFETCH_CONFIGS = ("ours", "warp", "prio16", "prio0")
 
@@ -458,6 +462,8 @@ def server_cmd(model: str, port: int, config: str, extra: list[str],
         args += ["--disable-cuda-graph"]
     if config == "nores":
         env["SGLANG_HISPARSE_RESIDENCY"] = "0"
+    if config == "devgrowth":
+        env["SGLANG_HISPARSE_HOST_GROWTH"] = "0"
     if config in ("stock", "bare"):
         # SGLang's own whitelist: every plugin but ours (test weights stay),
         # the diagnostic ones this command puts on the server's PYTHONPATH too.
@@ -1823,7 +1829,7 @@ def merge(args) -> int:
                 results.setdefault(cfg, {}).setdefault(w, []).extend(runs)
         launches += [dict(x, source=str(path)) for x in data.get("launches", [])]
     order = [c for c in ("base", "native", "ref", "ours", "warp", "prio16", "prio0", "sync", "nograph", "nores",
-                         "nopark", "stream", "stream512", "nostream", "noio", "stock") if c in results]
+                         "devgrowth", "nopark", "stream", "stream512", "nostream", "noio", "stock") if c in results]
     configs = order + [c for c in results if c not in order]
     workloads = sorted({w for by_w in results.values() for w in by_w})
     for c in configs:

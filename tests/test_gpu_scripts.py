@@ -833,6 +833,18 @@ def test_spec_parity_compares_verify_counts_request_by_request(capsys):
     assert e2e.spec_parity(plain, plain)["requests"] == 0
 
 
+def test_devgrowth_is_ours_with_sglangs_admission_costing(monkeypatch):
+    # The side-by-side control for adapter/prefill_adder.py: the same data
+    # plane and synthetic top-k, only the admission costing differs.
+    e2e = _load("e2e_gpu", SCRIPTS / "e2e_gpu.py")
+    monkeypatch.delenv("SGLANG_HISPARSE_HOST_GROWTH", raising=False)
+    args, env = e2e.server_cmd("m", 1, "devgrowth", [], synthetic="calibrated", check=True)
+    ours_args, ours_env = e2e.server_cmd("m", 1, "ours", [], synthetic="calibrated", check=True)
+    assert env.pop("SGLANG_HISPARSE_HOST_GROWTH") == "0" and "SGLANG_HISPARSE_HOST_GROWTH" not in ours_env
+    assert args == ours_args and env == ours_env
+    assert env[e2e.SYNTHETIC_ENV] == "calibrated" and e2e.CHECK_EXPECT["devgrowth"] == "exact"
+
+
 def test_mtp_configs_and_the_drain_workloads_server(monkeypatch):
     e2e = _load("e2e_gpu", SCRIPTS / "e2e_gpu.py")
     monkeypatch.delenv("SGLANG_HISPARSE_RESIDENCY", raising=False)
