@@ -126,7 +126,7 @@ from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST  # noqa: E402 (w
 
 BOOTSTRAP_PORT = 8998
 PAGE = 64
-INDEX_TOPK = 2048
+INDEX_TOPK = e2e.SHORT_TOKENS  # the DSA models' index_topk (e2e_gpu.py says why it is one figure)
 
 # PD workloads beside e2e's (same tuple shape: groups, output tokens, flags).
 e2e.WORKLOADS.setdefault("pdretract", ([[2000] * 8], 1200, []))
