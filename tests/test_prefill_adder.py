@@ -136,3 +136,66 @@ def test_device_growth_credit():
     assert hooks.device_growth_credit(100, 500, 300) == 0
     assert hooks.device_growth_credit(1000, 500, 300) == 300
     assert hooks.device_growth_credit(600, 500, 300) == 100
+
+
+def _serve(adder_cls, env, prompts, steps, max_new):
+    """A scheduler in miniature whose prefill admission is SGLang's own
+    ``PrefillAdder`` (ratio 0.5) and whose parking sees our
+    ``scheduler_prefill_demand``: one prompt per iteration when the adder
+    admits it, else one decode step of the running batch. Requests stop
+    after ``steps`` tokens (as at an EOS) while ``max_new`` is what the
+    adder costs them at. Returns the largest running batch."""
+    from types import SimpleNamespace
+
+    from dataplane_fixtures import prefill
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.managers.scheduler_components.new_token_ratio_tracker import (
+        NewTokenRatioTracker,
+    )
+    from sglang_hisparse.adapter.scheduler import scheduler_prefill_demand
+
+    waiting = [_req(f"p{i}", n, max_new, ignore_eos=True) for i, n in enumerate(prompts)]
+    running, left, most = [], {}, 0
+    scheduler = SimpleNamespace(
+        chunked_req=None, running_batch=ScheduleBatch(reqs=running), waiting_queue=waiting,
+        new_token_ratio_tracker=NewTokenRatioTracker(init=0.5, min=0.5, decay=0.0, current=0.5),
+        max_running_requests=8, req_to_token_pool=env.r2t)
+    env.coord.set_prefill_demand(lambda: scheduler_prefill_demand(scheduler))
+    cache = chunk_cache(env.r2t, env.alloc)
+    while waiting or running or env.coord.has_ongoing_staging():
+        for r in env.coord.collect_ready_reqs():
+            running.append(r)
+            left[r.rid] = steps
+        most = max(most, len(running))
+        if waiting:
+            req = waiting[0]
+            req.init_next_round_input()
+            adder = adder_cls(PS, cache, env.alloc, ScheduleBatch(reqs=list(running)), 0.5, 10**6, None)
+            adder.add_one_req(req, False, None)
+            if adder.can_run_list == [req]:
+                waiting.pop(0)
+                prefill(env.r2t, env.alloc, req, len(req.origin_input_ids), pool=env.pool)
+                env.coord.admit_request_into_staging(req)
+                continue
+        assert running, "nothing runs and the adder admits nothing"
+        env.decode(running)
+        for r in list(running):
+            left[r.rid] -= 1
+            if left[r.rid] == 0:
+                running.remove(r)
+                env.finish(r)
+    return most
+
+
+@pytest.mark.parametrize("adder_cls", ["sglang", "hooked"], indirect=True)
+def test_long_outputs_no_longer_cap_the_batch_below_what_hot_buffers_allow(adder_cls):
+    # 1024 device rows, 600-token prompts, 192-row hot buffers, outputs
+    # costed at 100 tokens each. Parking prefills the queue while staged
+    # requests wait on host, so hot buffers allow 1024 // 192 = 5 at once.
+    # 0.5.13's adder simulates every running request's 100 tokens on the
+    # device rows a prompt leaves, and admits a prompt only once the batch
+    # has (nearly) drained: 2026-12-06-s5's 11 of 16, in miniature.
+    env = Env(phys=1024, ratio=8, streaming="0")
+    most = _serve(adder_cls, env, [600] * 8, steps=6, max_new=100)
+    assert most == (5 if adder_cls.hooked else 1)
+    assert env.drained() and not env.coord.has_ongoing_staging()
