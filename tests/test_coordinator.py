@@ -58,6 +58,16 @@ class Env:
             self.pool.kv_buffer[layer][rows, 0, 1] = float(layer + 1)
         return rpi, seq
 
+    def decode_and_finish(self, running, left):
+        """One decode step of ``running``; a request whose count in ``left``
+        (rid -> tokens still to decode) reaches 0 leaves it and finishes."""
+        self.decode(running)
+        for r in list(running):
+            left[r.rid] -= 1
+            if left[r.rid] == 0:
+                running.remove(r)
+                self.finish(r)
+
     def finish(self, req):
         self.coord.request_finished(req)
         release(self.r2t, self.alloc, req)

@@ -152,12 +152,7 @@ def _serve(env, prompts, steps, parking):
             env.coord.admit_request_into_staging(req)
             continue
         if running:
-            env.decode(running)
-            for r in list(running):
-                left[r.rid] -= 1
-                if left[r.rid] == 0:
-                    running.remove(r)
-                    env.finish(r)
+            env.decode_and_finish(running, left)
     return most
 
 

@@ -178,12 +178,7 @@ def _serve(adder_cls, env, prompts, steps, max_new):
                 env.coord.admit_request_into_staging(req)
                 continue
         assert running, "nothing runs and the adder admits nothing"
-        env.decode(running)
-        for r in list(running):
-            left[r.rid] -= 1
-            if left[r.rid] == 0:
-                running.remove(r)
-                env.finish(r)
+        env.decode_and_finish(running, left)
     return most
 
 
