@@ -73,9 +73,11 @@ def device_growth_credit(logical: int, physical: int, growth: float) -> float:
 def adder_init_growth_on_host(result, self, *args, **kwargs):
     """AFTER ``PrefillAdder.__init__`` (0.5.13 ``schedule_policy.py:426``):
     the running requests' expected tokens stay charged to host rows only."""
-    sides = _sides(self)
     running = self.running_batch
-    if sides is None or running is None or not running.reqs:
+    if running is None or not running.reqs:
+        return result  # no growth to move: skip the budgets' walk of live requests
+    sides = _sides(self)
+    if sides is None:
         return result
     growth = sum(self._get_running_request_total_token_offset(r) for r in running.reqs)
     self.rem_total_token_offset -= device_growth_credit(*sides, growth)
