@@ -189,6 +189,7 @@ _DEMAND = "sglang_hisparse.adapter.scheduler:scheduler_prefill_demand"
 _STREAMING_HOOK = "sglang_hisparse.adapter.scheduler:scheduler_get_new_batch_prefill"
 _GROWTH_ON_HOST = "sglang_hisparse.adapter.prefill_adder:adder_init_growth_on_host"
 _IGNORE_EOS_HOOK = "sglang_hisparse.adapter.prefill_adder:adder_add_one_req_ignore_eos"
+_DECODE_CHECK_HOOK = "sglang_hisparse.adapter.prefill_adder:batch_check_decode_mem"
 _COUNT = "sglang_hisparse.engine.streams:RealRequestCount"
 _DRAFT_SWA = "sglang_hisparse.adapter.disaggregation_dsv4:register_draft_swa_state"
 _ROLES = "sglang_hisparse.engine.index_share:roles_from_config"
@@ -578,6 +579,22 @@ HOOKS: tuple[Entry, ...] = (
         ),
         impl=_IGNORE_EOS_HOOK,
         upstream="none: 0.5.23 has the same simulation (srt/managers/schedule_policy.py)",
+        tests=("tests/test_prefill_adder.py",),
+    ),
+    _data_plane_hook(
+        target=f"{_BATCH}.check_decode_mem",
+        kind=Kind.AROUND,
+        why=(
+            "0.5.13 retracts a running request when available_size() < the next "
+            "decode step's tokens; under HiSparse those tokens take host rows (a hot "
+            "buffer's device rows are reserved at staging), so a prompt filling the "
+            "device side retracted decoding requests, which then prefilled again "
+            "(3 retractions on 2026-12-06-s5, an 11.6 s gap in a stream). Ours runs "
+            "the check with available_size() answering the host side "
+            "(SGLANG_HISPARSE_HOST_GROWTH=0: 0.5.13's)."
+        ),
+        impl=_DECODE_CHECK_HOOK,
+        upstream="none: 0.5.23 checks available_size() (srt/managers/schedule_batch.py)",
         tests=("tests/test_prefill_adder.py",),
     ),
     Entry(
@@ -1223,11 +1240,6 @@ DEPENDS: tuple[Entry, ...] = (
         "after alloc_for_decode and seq_lens += 1 calls map_last_loc_to_buffer(seq_lens, "
         "out_cache_loc, req_pool_indices, seq_lens_cpu, req_pool_indices_cpu)",
         (f"{_COORD}.map_last_loc_to_buffer",),
-    ),
-    _depends(
-        f"{_BATCH}.check_decode_mem",
-        "retraction starts when allocator available_size() < the next step's tokens",
-        (f"{_ALLOC}.available_size",),
     ),
     _depends(
         f"{_BATCH}.retract_decode",

@@ -1,6 +1,6 @@
-"""SGLang's real ``PrefillAdder`` over our allocator, with and without the
-hooks of ``adapter/prefill_adder.py``: the running requests' decode growth
-takes host rows, not device rows.
+"""SGLang's real ``PrefillAdder`` and ``ScheduleBatch.check_decode_mem`` over
+our allocator, with and without the hooks of ``adapter/prefill_adder.py``:
+the running requests' decode growth takes host rows, not device rows.
 
 Three requests of 300 tokens run (each holds its padded hot buffer, HOT + PS
 = 192 device rows: 448 of 1024 stay free); the host holds 8 x 1024 rows.
@@ -14,7 +14,7 @@ import functools
 
 import pytest
 
-from dataplane_fixtures import PS, chunk_cache, make_req, sglang_server_args
+from dataplane_fixtures import PS, chunk_cache, decode_batch, make_req, prefill, sglang_server_args
 from test_coordinator import HOT, Env
 from sglang_hisparse.adapter import prefill_adder as hooks
 
@@ -194,3 +194,86 @@ def test_long_outputs_no_longer_cap_the_batch_below_what_hot_buffers_allow(adder
     most = _serve(adder_cls, env, [600] * 8, steps=6, max_new=100)
     assert most == (5 if adder_cls.hooked else 1)
     assert env.drained() and not env.coord.has_ongoing_staging()
+
+
+@pytest.fixture
+def decode_check(request, monkeypatch):
+    """``ScheduleBatch.check_decode_mem``, hooked when the test is
+    parametrized with "hooked" (as HookRegistry installs an AROUND hook)."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+    check = ScheduleBatch.check_decode_mem
+    if request.param == "hooked":
+        @functools.wraps(check)
+        def around(self, *args, **kwargs):
+            return hooks.batch_check_decode_mem(check, self, *args, **kwargs)
+
+        monkeypatch.setattr(ScheduleBatch, "check_decode_mem", around)
+    return request.param
+
+
+def _full_device(env, prompt, inflight):
+    """Three requests of ``prompt`` tokens decode from their hot buffers and
+    a prompt of ``inflight`` tokens, mid-prefill, holds the device's other rows."""
+    running = []
+    for i in range(3):  # one at a time: a staging request holds its prompt's rows
+        running.append(env.staged(f"run{i}", prompt))
+        assert env.coord.collect_ready_reqs() == running[-1:]
+    busy = make_req("inflight", inflight)
+    prefill(env.r2t, env.alloc, busy, inflight)
+    return running, busy
+
+
+@pytest.mark.parametrize("decode_check", ["sglang", "hooked"], indirect=True)
+def test_a_full_device_side_retracts_no_hot_request_with_the_hook(decode_check):
+    env = Env(phys=1024, ratio=8)
+    # 3 x 192 rows of hot buffer + 448 rows of prompt: nothing left on the
+    # device; each request's next token (320 % 64 == 0) starts a page.
+    running, busy = _full_device(env, 320, 448)
+    logical, physical = env.alloc.budgets()
+    assert physical == 0 and logical >= 3 * PS
+    batch = decode_batch(env.r2t, env.alloc, env.coord, running)
+    with sglang_server_args():
+        fits = batch.check_decode_mem()
+    # 0.5.13 would retract one (scheduler.update_running_batch); hooked, the
+    # step runs, and takes no device row.
+    assert fits is (decode_check == "hooked")
+    free_rows = env.alloc.hisparse_attn_allocator.raw_available_size()
+    env.decode(running)
+    assert env.alloc.hisparse_attn_allocator.raw_available_size() == free_rows
+    assert env.alloc.budgets()[1] == 0
+    env.finish(busy)
+    for r in running:
+        env.finish(r)
+    assert env.drained()
+
+
+@pytest.mark.parametrize("decode_check", ["hooked"], indirect=True)
+def test_a_full_host_side_still_retracts(decode_check):
+    # Host rows 2 x 1024: 3 x 512 staged + 448 owed to the prompt in flight
+    # leave 64, less than the 3 pages the next step starts.
+    env = Env(phys=1024, ratio=2)
+    running, busy = _full_device(env, 512, 448)
+    logical, physical = env.alloc.budgets()
+    assert physical == 0 and logical == PS
+    with sglang_server_args():
+        assert not decode_batch(env.r2t, env.alloc, env.coord, running).check_decode_mem()
+        # one request fewer (what retract_decode tries next) fits
+        assert decode_batch(env.r2t, env.alloc, env.coord, running[:1]).check_decode_mem()
+    env.finish(busy)
+    for r in running:
+        env.finish(r)
+    assert env.drained()
+
+
+@pytest.mark.parametrize("decode_check", ["hooked"], indirect=True)
+def test_host_growth_off_keeps_sglangs_decode_check(decode_check, monkeypatch):
+    monkeypatch.setenv(hooks.HOST_GROWTH_ENV, "0")
+    env = Env(phys=1024, ratio=8)
+    running, busy = _full_device(env, 320, 448)
+    with sglang_server_args():
+        assert not decode_batch(env.r2t, env.alloc, env.coord, running).check_decode_mem()
+    env.finish(busy)
+    for r in running:
+        env.finish(r)
+    assert env.drained()

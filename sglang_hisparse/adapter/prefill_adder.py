@@ -1,4 +1,4 @@
-"""SGLang's ``PrefillAdder`` under HiSparse: decode growth takes host rows.
+"""SGLang's admission and decode check under HiSparse: decode growth takes host rows.
 
 Why. The adder admits a prompt only if the pool can also hold the tokens the
 running requests will still decode. 0.5.13 to 0.5.17 charge that growth to
@@ -32,10 +32,23 @@ row is allocated during admission, so ``L`` and ``P`` do not move. Parking's
 demand (``adapter.scheduler.scheduler_prefill_demand``) costs the next prompt
 the same way, without the running requests' growth.
 
+The decode step's own check, ``ScheduleBatch.check_decode_mem``, compares
+the next step's tokens (a page for each request whose new token starts one)
+with ``available_size()`` and retracts a running request when they do not
+fit. Those tokens take logical slots and host rows, not device rows (a
+resident's new page is the exception, and demoting residents gives rows back
+before that allocation fails). So a prompt that fills the device side made
+0.5.13 retract a decoding request, which then prefilled its 32K prompt again:
+3 retractions on 2026-12-06-s5 (``token usage: 1.00`` after the last chunk of
+a prompt, then ``KV cache pool is full``), one of them an 11.6 s gap in a
+stream. :func:`batch_check_decode_mem` (AROUND) runs the check against the
+host side (``HiSparseDualAllocator.host_side_only``). The admission hooks
+make a full device side more common, so each needs the other.
+
 Only our DSA allocator (``HiSparseDualAllocator``): DeepSeek-V4's C4 rows are
 admitted through the SWA allocator's full-token sizes, and keep 0.5.13's
-costing. ``SGLANG_HISPARSE_HOST_GROWTH=0`` keeps it for DSA as well (for side
-by side runs).
+costing. ``SGLANG_HISPARSE_HOST_GROWTH=0`` keeps it for DSA as well, the
+decode check included (for side by side runs).
 """
 
 from __future__ import annotations
@@ -50,13 +63,22 @@ def host_growth_enabled() -> bool:
     return os.environ.get(HOST_GROWTH_ENV, "1") != "0"
 
 
+def _growth_allocator(owner):
+    """``owner``'s allocator (an adder's or a batch's) where decode growth
+    takes host rows; None where it stays where SGLang puts it."""
+    from sglang_hisparse.pools.allocator import HiSparseDualAllocator
+
+    alloc = owner.token_to_kv_pool_allocator
+    if type(alloc) is not HiSparseDualAllocator or not host_growth_enabled():
+        return None
+    return alloc
+
+
 def _sides(adder) -> Optional[Tuple[int, int]]:
     """``(host side, device side)`` of the adder's allocator, or None where
     the growth stays where SGLang puts it."""
-    from sglang_hisparse.pools.allocator import HiSparseDualAllocator
-
-    alloc = adder.token_to_kv_pool_allocator
-    if type(alloc) is not HiSparseDualAllocator or not host_growth_enabled():
+    alloc = _growth_allocator(adder)
+    if alloc is None:
         return None
     logical, physical = alloc.budgets()
     if logical is None:
@@ -105,3 +127,15 @@ def adder_add_one_req_ignore_eos(original, self, req, *args, **kwargs):
         return original(self, req, *args, **kwargs)
     finally:
         self.cur_rem_token_offset += host_view
+
+
+def batch_check_decode_mem(original, self, *args, **kwargs):
+    """AROUND ``ScheduleBatch.check_decode_mem`` (0.5.13
+    ``schedule_batch.py:2347``): the next decode step's tokens are checked
+    against the host side; SGLang's own check runs, with ``available_size()``
+    answering that side."""
+    alloc = _growth_allocator(self)
+    if alloc is None:
+        return original(self, *args, **kwargs)
+    with alloc.host_side_only():
+        return original(self, *args, **kwargs)

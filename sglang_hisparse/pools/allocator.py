@@ -102,6 +102,8 @@ class HiSparseDualAllocator(HostBackedAdmission):
         self._logical_size = int(size) * int(host_to_device_ratio)
         # Set by logical_only(): alloc_extend then takes logical slots only.
         self._logical_only = False
+        # Set by host_side_only(): available_size() answers the host side.
+        self._host_side_only = False
 
         self.logical_attn_allocator = _ReservingPagedAllocator(
             self._logical_size, page_size, dtype, device, kvcache, need_sort
@@ -160,7 +162,25 @@ class HiSparseDualAllocator(HostBackedAdmission):
     def available_size(self) -> int:
         # The scheduler asks several times per step. Same value as
         # min(logical.available_size(), physical.available_size() + reclaimable).
-        return min(self.budgets())
+        budgets = self.budgets()
+        if self._host_side_only and budgets[0] is not None:
+            return budgets[0]
+        return min(budgets)
+
+    @contextlib.contextmanager
+    def host_side_only(self):
+        """Within it, ``available_size()`` is the host side (logical) alone:
+        what a decode step of the running batch takes. A hot-buffer request's
+        new token takes a logical slot and a host row; its device rows (the
+        buffer and the newest-token page) were reserved when it was staged.
+        A resident's new page takes device rows, which demoting residents
+        gives back before an allocation fails. See
+        ``adapter/prefill_adder.batch_check_decode_mem``."""
+        self._host_side_only = True
+        try:
+            yield
+        finally:
+            self._host_side_only = False
 
     def logical_available_size(self) -> int:
         return self.logical_attn_allocator.raw_available_size()
