@@ -551,6 +551,25 @@ HOOKS: tuple[Entry, ...] = (
         tests=("tests/test_streaming.py",),
     ),
     _data_plane_hook(
+        target=(
+            "sglang.srt.managers.scheduler_components.output_streamer."
+            "SchedulerOutputStreamer.stream_output"
+        ),
+        kind=Kind.AROUND,
+        why=(
+            "0.5.13 streams a request's first token when prefill ends; under "
+            "HiSparse the request then stages and may park before it decodes, so "
+            "its client waited up to 47 x its median gap after the first token "
+            "(2026-12-06-s5, streaming on). Streaming: a request outside the batch "
+            "that has sent nothing sends its first token with its second, once it "
+            "decodes (SGLANG_HISPARSE_STREAMING=0: 0.5.13's)."
+        ),
+        impl="sglang_hisparse.adapter.output_streamer:streamer_stream_output",
+        upstream="none: 0.5.23 streams the first token at prefill's end "
+                 "(srt/managers/scheduler_components/output_streamer.py)",
+        tests=("tests/test_streaming.py",),
+    ),
+    _data_plane_hook(
         target=f"{_ADDER}.__init__",
         kind=Kind.AFTER,
         why=(

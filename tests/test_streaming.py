@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from dataplane_fixtures import PS, make_req, prefill, scheduler_passes_batches
+from dataplane_fixtures import PS, make_req, prefill, scheduler_passes_batches, sglang_server_args
 from test_coordinator import Env
 from sglang_hisparse.adapter.scheduler import (
     scheduler_get_new_batch_prefill,
@@ -299,4 +299,89 @@ def test_the_scheduler_demand_is_installed_through_the_timeline():
     t.run()
     assert env.coord.prefill_demand_installed
     assert scheduler_prefill_demand(t.s).next_tokens == 0  # the queue is empty
+    assert env.drained()
+
+
+def _output_streamer():
+    """SGLang's own ``SchedulerOutputStreamer`` of a one-rank colocated
+    server, sending to a recording socket. Returns (streamer, what it sent)."""
+    import dataclasses
+
+    from dataplane_fixtures import _RecordingSocket, _default_server_args
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.distributed.parallel_state_wrapper import ParallelState
+    from sglang.srt.managers.scheduler_components.output_sender import SenderWrapper
+    from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    one_rank = {f.name: (1 if f.name.endswith("_size") else 0)
+                for f in dataclasses.fields(ParallelState)}
+    socket = _RecordingSocket()
+    streamer = SchedulerOutputStreamer(
+        send_to_detokenizer=SenderWrapper(socket), tree_cache=None,
+        ps=ParallelState(**one_rank), server_args=_default_server_args(),
+        is_generation=True, spec_algorithm=SpeculativeAlgorithm.NONE,
+        disaggregation_mode=DisaggregationMode.NULL,
+        enable_hicache_storage=lambda: False, load_inquirer_get_loads=lambda req: None)
+    return streamer, socket.sent
+
+
+def _stream(streamer, reqs):
+    """``stream_output`` through our AROUND hook, as the scheduler calls it."""
+    from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
+
+    from sglang_hisparse.adapter.output_streamer import streamer_stream_output
+
+    streamer_stream_output(SchedulerOutputStreamer.stream_output, streamer, reqs, False)
+
+
+def _sent_tokens(sent):
+    """rid -> the output token ids of every event sent, in order."""
+    events = {}
+    for out in sent:
+        for rid, ids in zip(out.rids, out.output_ids):
+            events.setdefault(rid, []).append(list(ids))
+    return events
+
+
+@pytest.mark.parametrize("streaming", ["1", "0"])
+def test_the_first_token_goes_out_when_the_request_joins(streaming):
+    """Prefill's result streams while the request stages (outside the batch):
+    with streaming on its first token is held, and the first decode step that
+    holds the request sends both tokens; a request that finished at prefill
+    still goes out at once. Off: 0.5.13's order, token by token."""
+    from sglang_hisparse.adapter import metrics
+
+    env = Env(phys=1024, ratio=8, streaming=streaming)
+    metrics.register_coordinator(env.coord)
+    streamer, sent = _output_streamer()
+    reqs = []
+    for rid in ("a", "b"):
+        req = make_req(rid, 300)
+        req.stream = True
+        prefill(env.r2t, env.alloc, req, 300, pool=env.pool)
+        env.coord.admit_request_into_staging(req)  # as 0.5.13's prefill result does
+        req.output_ids.append(7)
+        reqs.append(req)
+    done = make_req("one-token", 64)
+    done.stream = True
+    done.output_ids.append(9)
+    done.sampling_params.max_new_tokens = 1
+    done.update_finish_state()
+    assert done.finished()
+    with sglang_server_args():
+        _stream(streamer, reqs + [done])  # the prefill batch's output
+        assert all(r.hisparse_staging for r in reqs)
+        held = {"1": {"one-token": [[9]]}, "0": {"a": [[7]], "b": [[7]], "one-token": [[9]]}}
+        assert _sent_tokens(sent) == held[streaming]
+        assert env.coord.collect_ready_reqs() == reqs
+        env.decode(reqs)
+        for r in reqs:
+            r.output_ids.append(8)
+        _stream(streamer, reqs)  # the decode batch's output
+    first_events = [[7, 8]] if streaming == "1" else [[7], [8]]
+    assert _sent_tokens(sent) == {"a": first_events, "b": first_events, "one-token": [[9]]}
+    assert env.coord.streaming.first_tokens_held == (2 if streaming == "1" else 0)
+    for r in reqs:
+        env.finish(r)
     assert env.drained()
