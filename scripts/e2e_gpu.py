@@ -1157,6 +1157,7 @@ PREFILL_RATE_MIN_TOKENS = 1024
 _DECODE = re.compile(r"Decode batch.*?#running-req: (\d+).*?gen throughput \(token/s\): ([\d.]+)")
 
 
+_RETRACTED = re.compile(r"KV cache pool is full\. Retract requests\. #retracted_reqs: (\d+)")
 _EXACT = re.compile(r"#exact checked: (\d+)[,;]?\s*#exact mismatch: (\d+)")
 FIRST_MISMATCH = "HiSparse exactness check: first mismatch"
 
@@ -1236,6 +1237,8 @@ def log_stats(log_path: Path, since: int) -> dict:
         "hisparse_host_read_mib": float(read_mib[-1]) if read_mib else None,
         "join_wait_mean_ms": float(join_wait[-1][0]) if join_wait else None,
         "join_wait_max_ms": float(join_wait[-1][1]) if join_wait else None,
+        # requests SGLang retracted for want of KV space (each prefills again)
+        "retracted_reqs": sum(int(x) for x in _RETRACTED.findall(text)),
         # tracebacks other than 0.5.13's benign start-up one (0: none). A bare
         # "Traceback" test read every kit launch as crashed.
         "tracebacks": count_tracebacks(text)["other"],
@@ -1652,6 +1655,7 @@ def measured_run(srv, cfg: str, label: str, w: str, args, log: Path, timer_out) 
           f"{len(r['errors'])} errors, {r['output_tok_s']:.0f} tok/s, "
           f"tpot {r['mean_tpot_ms']}, ttft {r['median_ttft_s']} s, "
           f"step {r['decode_step_ms']} ms, running max {r['max_running']}, "
+          f"retracted {r['retracted_reqs']}, "
           f"hisparse misses {r['hisparse_misses']} (hit rate "
           f"{r['hisparse_hit_rate']}, host read {r['hisparse_host_read_mib']} MiB)"
           + (f", exact checked {r['exact_checked']} mismatch {r['exact_mismatch']}"
@@ -2046,7 +2050,8 @@ def summarize(results, configs, workloads, margin, tol, invalid=("noio",)) -> li
                    "decode_step_ms": step, "decode_step_ms_spread": step_s,
                    "runs": len(runs), "output_tok_s_each": tps_all,
                    "max_running": max((r.get("max_running") or 0) for r in runs) if runs else None,
-                   "mean_running": _med([r.get("mean_running") for r in runs])[0]}
+                   "mean_running": _med([r.get("mean_running") for r in runs])[0],
+                   "retracted_reqs": sum(r.get("retracted_reqs") or 0 for r in runs)}
             if base_tps and tps:
                 row["tok_s_vs_base"] = tps / base_tps
             if native_tps and tps:
@@ -2075,7 +2080,8 @@ def summarize(results, configs, workloads, margin, tol, invalid=("noio",)) -> li
                   f"x{row.get('tok_s_vs_native', 0):.2f} native{vs_ref})   "
                   f"{(tpot or 0):7.2f} ± {(tpot_s or 0):5.2f} (x{row.get('tpot_vs_base', 0):.2f}{tpot_ref})   "
                   f"{(step or 0):6.2f} ± {(step_s or 0):4.2f}   "
-                  f"{row['max_running']}/{(row['mean_running'] or 0):.1f}   "
+                  f"{row['max_running']}/{(row['mean_running'] or 0):.1f}"
+                  + (f" (retracted {row['retracted_reqs']})" if row["retracted_reqs"] else "") + "   "
                   + (describe_exactness(ex, tol) if ex else "-")
                   + (f"; vs plain: {describe_exactness(row['exactness_vs_plain'], tol)}"
                      if row.get("exactness_vs_plain") else ""), flush=True)

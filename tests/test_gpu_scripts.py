@@ -517,6 +517,12 @@ def test_exactness_counters_from_the_decode_log_and_their_verdicts(tmp_path, cap
     got = e2e.log_stats(joined, 0)
     assert (got["join_wait_mean_ms"], got["join_wait_max_ms"]) == (4.5, 41.5)  # the last line: the launch so far
     assert got["decode_step_ms"] == 4 * 1000 / 800  # the rate stays readable
+    assert got["retracted_reqs"] == 0
+    with joined.open("a") as f:  # 0.5.13's line (scheduler.update_running_batch), twice
+        for n in (1, 2):
+            f.write(f"[2026-12-06 20:54:27] KV cache pool is full. Retract requests. "
+                    f"#retracted_reqs: {n}, #new_tokens_gained: 4160, #new_token_ratio: 0.0980 -> 0.5564\n")
+    assert e2e.log_stats(joined, 0)["retracted_reqs"] == 3
 
     # 0.5.13's start-up traceback (openai_harmony missing) is benign; any other fails "exact".
     benign = ("[2026-12-01 09:59:59] Can not initialize OpenAIServingResponses, error: "
