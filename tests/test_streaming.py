@@ -317,12 +317,15 @@ def _output_streamer():
     one_rank = {f.name: (1 if f.name.endswith("_size") else 0)
                 for f in dataclasses.fields(ParallelState)}
     socket = _RecordingSocket()
+    fields = {f.name for f in dataclasses.fields(SchedulerOutputStreamer)}
+    # (0.5.13 reads the scheduler's load for each output; 0.5.17 does not)
+    load = {"load_inquirer_get_loads": lambda req: None} if "load_inquirer_get_loads" in fields else {}
     streamer = SchedulerOutputStreamer(
         send_to_detokenizer=SenderWrapper(socket), tree_cache=None,
         ps=ParallelState(**one_rank), server_args=_default_server_args(),
         is_generation=True, spec_algorithm=SpeculativeAlgorithm.NONE,
         disaggregation_mode=DisaggregationMode.NULL,
-        enable_hicache_storage=lambda: False, load_inquirer_get_loads=lambda req: None)
+        enable_hicache_storage=lambda: False, **load)
     return streamer, socket.sent
 
 
