@@ -144,7 +144,10 @@ def _serve(adder_cls, env, prompts, steps, max_new):
     ``scheduler_prefill_demand``: one prompt per iteration when the adder
     admits it, else one decode step of the running batch. Requests stop
     after ``steps`` tokens (as at an EOS) while ``max_new`` is what the
-    adder costs them at. Returns the largest running batch."""
+    adder costs them at. Before each decode step the batch runs SGLang's
+    ``check_decode_mem`` (as hooked or not by ``decode_check``), where a
+    ``False`` would retract a request. Returns (the largest running batch,
+    the decode steps whose check said no)."""
     from types import SimpleNamespace
 
     from dataplane_fixtures import prefill
@@ -155,7 +158,7 @@ def _serve(adder_cls, env, prompts, steps, max_new):
     from sglang_hisparse.adapter.scheduler import scheduler_prefill_demand
 
     waiting = [_req(f"p{i}", n, max_new, ignore_eos=True) for i, n in enumerate(prompts)]
-    running, left, most = [], {}, 0
+    running, left, most, refused = [], {}, 0, 0
     scheduler = SimpleNamespace(
         chunked_req=None, running_batch=ScheduleBatch(reqs=running), waiting_queue=waiting,
         new_token_ratio_tracker=NewTokenRatioTracker(init=0.5, min=0.5, decay=0.0, current=0.5),
@@ -178,8 +181,10 @@ def _serve(adder_cls, env, prompts, steps, max_new):
                 env.coord.admit_request_into_staging(req)
                 continue
         assert running, "nothing runs and the adder admits nothing"
+        with sglang_server_args():
+            refused += not decode_batch(env.r2t, env.alloc, env.coord, running).check_decode_mem()
         env.decode_and_finish(running, left)
-    return most
+    return most, refused
 
 
 @pytest.mark.parametrize("adder_cls", ["sglang", "hooked"], indirect=True)
@@ -191,7 +196,7 @@ def test_long_outputs_no_longer_cap_the_batch_below_what_hot_buffers_allow(adder
     # device rows a prompt leaves, and admits a prompt only once the batch
     # has (nearly) drained: 2026-12-06-s5's 11 of 16, in miniature.
     env = Env(phys=1024, ratio=8, streaming="0")
-    most = _serve(adder_cls, env, [600] * 8, steps=6, max_new=100)
+    most, _ = _serve(adder_cls, env, [600] * 8, steps=6, max_new=100)
     assert most == (5 if adder_cls.hooked else 1)
     assert env.drained() and not env.coord.has_ongoing_staging()
 
@@ -277,3 +282,19 @@ def test_host_growth_off_keeps_sglangs_decode_check(decode_check, monkeypatch):
     for r in running:
         env.finish(r)
     assert env.drained()
+
+
+@pytest.mark.parametrize("adder_cls", ["hooked"], indirect=True)
+@pytest.mark.parametrize("decode_check", ["sglang", "hooked"], indirect=True)
+def test_the_hooked_adder_needs_the_hooked_decode_check(adder_cls, decode_check):
+    # Longer outputs than above (64 steps, 640-token prompts): the batch
+    # reaches what hot buffers allow, 5 x 192 rows, and 64 of the device's
+    # 1024 rows stay free. When two requests' next tokens start a page,
+    # 0.5.13's check asks 128 rows of min(host, device) and would retract
+    # a request (twice in this run); those pages take host rows only, and
+    # the hooked check, which asks the host side, never refuses.
+    env = Env(phys=1024, ratio=8, streaming="0")
+    most, refused = _serve(adder_cls, env, [640] * 8, steps=64, max_new=100)
+    assert most == 5
+    assert refused == (0 if decode_check == "hooked" else 2)
+    assert env.drained() and not env.coord.has_ongoing_staging()

@@ -37,11 +37,11 @@ the next step's tokens (a page for each request whose new token starts one)
 with ``available_size()`` and retracts a running request when they do not
 fit. Those tokens take logical slots and host rows, not device rows (a
 resident's new page is the exception, and demoting residents gives rows back
-before that allocation fails). So a prompt that fills the device side made
-0.5.13 retract a decoding request, which then prefilled its 32K prompt again:
-3 retractions on 2026-12-06-s5 (``token usage: 1.00`` after the last chunk of
-a prompt, then ``KV cache pool is full``), one of them an 11.6 s gap in a
-stream. :func:`batch_check_decode_mem` (AROUND) runs the check against the
+before that allocation fails). So a full device side (a prompt's chunks,
+or hot buffers up to what the rows allow) made 0.5.13 retract a decoding
+request, which then prefilled its 32K prompt again: 3 retractions on
+2026-12-06-s5 (``token usage: 1.00`` after the last chunk of a prompt, then
+``KV cache pool is full``), and one 11.6 s gap in a stream. :func:`batch_check_decode_mem` (AROUND) runs the check against the
 host side (``HiSparseDualAllocator.host_side_only``). The admission hooks
 make a full device side more common, so each needs the other.
 
