@@ -357,6 +357,7 @@ RESERVE=$(( 15 + 60 * WANT_JIT ))
 
 finish() {
   local rc=$?
+  declare -F say_doctor >/dev/null && say_doctor
   [ -n "${BG_PID:-}" ] && wait_bg
   if [ "$WANT_JIT" = 1 ]; then
     local s; s=$(date +%s)
@@ -455,9 +456,20 @@ PROJ=$RUN/proj
 export PYTHONPATH="$PROJ${PYTHONPATH:+:$PYTHONPATH}"
 say "== install: $(ls -d "$PROJ"/sglang_hisparse-*.dist-info | xargs -n1 basename) into $PROJ ($(elapsed) s)"
 # Which pin the plugin sees and whether it would install: doctor's verdict.
-python3 -m sglang_hisparse doctor > "$RUN/doctor.out" 2>&1
-say "   doctor (rc $?): $(grep -E '^(sglang |supported|installed)' "$RUN/doctor.out" | paste -sd';' -);" \
-    "entries OK $(grep -cE '^  OK ' "$RUN/doctor.out"), FAIL $(grep -cE '^  FAIL ' "$RUN/doctor.out")"
+# It runs beside the first stage (36 s of imports on the H100 of
+# 2026-12-06-s6, more than the stages' start-up margin of a short command:
+# a 290 s command skipped its only stage) and says its line when the first
+# stage ends (say_doctor, in the stage loop: the main shell is its parent),
+# or at the end.
+python3 -m sglang_hisparse doctor > "$RUN/doctor.out" 2>&1 &
+DOCTOR_PID=$!
+say_doctor() {
+  [ -n "${DOCTOR_PID:-}" ] || return 0
+  wait "$DOCTOR_PID"; local rc=$?
+  DOCTOR_PID=""
+  say "   doctor (rc $rc): $(grep -E '^(sglang |supported|installed)' "$RUN/doctor.out" | paste -sd';' -);" \
+      "entries OK $(grep -cE '^  OK ' "$RUN/doctor.out"), FAIL $(grep -cE '^  FAIL ' "$RUN/doctor.out")"
+}
 
 REF=$REPO/.bundle/ref_pkg
 REF_CONFIGS=""
@@ -951,4 +963,5 @@ trace_cmd"
       show pin ;;
     jit) ;;  # done by finish, after everything else
   esac
+  say_doctor
 done
