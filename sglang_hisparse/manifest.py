@@ -606,8 +606,9 @@ HOOKS: tuple[Entry, ...] = (
         why=(
             "0.5.13 retracts a running request when available_size() < the next "
             "decode step's tokens; under HiSparse those tokens take host rows (a hot "
-            "buffer's device rows are reserved at staging), so a prompt filling the "
-            "device side retracted decoding requests, which then prefilled again "
+            "buffer's device rows are reserved at staging), so a full device side (a "
+            "prompt's chunks, or hot buffers) retracted decoding requests, which then "
+            "prefilled again "
             "(3 retractions on 2026-12-06-s5, an 11.6 s gap in a stream). Ours runs "
             "the check with available_size() answering the host side "
             "(SGLANG_HISPARSE_HOST_GROWTH=0: 0.5.13's)."

@@ -145,8 +145,8 @@ def _serve(adder_cls, env, prompts, steps, max_new):
     admits it, else one decode step of the running batch. Requests stop
     after ``steps`` tokens (as at an EOS) while ``max_new`` is what the
     adder costs them at. Before each decode step the batch runs SGLang's
-    ``check_decode_mem`` (as hooked or not by ``decode_check``), where a
-    ``False`` would retract a request. Returns (the largest running batch,
+    ``check_decode_mem`` (hooked where the test's ``decode_check`` fixture
+    hooks it); a ``False`` there would retract a request. Returns (the largest running batch,
     the decode steps whose check said no)."""
     from types import SimpleNamespace
 
