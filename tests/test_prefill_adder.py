@@ -247,10 +247,7 @@ def test_a_full_device_side_retracts_no_hot_request_with_the_hook(decode_check):
     env.decode(running)
     assert env.alloc.hisparse_attn_allocator.raw_available_size() == free_rows
     assert env.alloc.budgets()[1] == 0
-    env.finish(busy)
-    for r in running:
-        env.finish(r)
-    assert env.drained()
+    _finish(env, [busy, *running])
 
 
 @pytest.mark.parametrize("decode_check", ["hooked"], indirect=True)
@@ -265,10 +262,7 @@ def test_a_full_host_side_still_retracts(decode_check):
         assert not decode_batch(env.r2t, env.alloc, env.coord, running).check_decode_mem()
         # one request fewer (what retract_decode tries next) fits
         assert decode_batch(env.r2t, env.alloc, env.coord, running[:1]).check_decode_mem()
-    env.finish(busy)
-    for r in running:
-        env.finish(r)
-    assert env.drained()
+    _finish(env, [busy, *running])
 
 
 @pytest.mark.parametrize("decode_check", ["hooked"], indirect=True)
@@ -278,10 +272,7 @@ def test_host_growth_off_keeps_sglangs_decode_check(decode_check, monkeypatch):
     running, busy = _full_device(env, 320, 448)
     with sglang_server_args():
         assert not decode_batch(env.r2t, env.alloc, env.coord, running).check_decode_mem()
-    env.finish(busy)
-    for r in running:
-        env.finish(r)
-    assert env.drained()
+    _finish(env, [busy, *running])
 
 
 @pytest.mark.parametrize("adder_cls", ["hooked"], indirect=True)

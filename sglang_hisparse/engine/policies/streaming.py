@@ -145,11 +145,12 @@ class Streaming:
         the decode batch (the list itself when none does)."""
         if not self.enabled:
             return reqs
-        held = [r for r in reqs if _first_token_waits(r)]
-        if not held:
+        # One pass: this runs on every output of every decode step.
+        sent = [r for r in reqs if not _first_token_waits(r)]
+        if len(sent) == len(reqs):
             return reqs
-        self.first_tokens_held += len(held)
-        return [r for r in reqs if not _first_token_waits(r)]
+        self.first_tokens_held += len(reqs) - len(sent)
+        return sent
 
 
 def _first_token_waits(req) -> bool:
