@@ -438,21 +438,13 @@ if declare -F save_jit_cache >/dev/null; then
   }
 fi
 # Each run installs into its own directory: a second run started beside
-# this one would otherwise delete the package its servers import. The build
-# writes sglang_hisparse.egg-info into the checkout: two runs started side
-# by side (2026-12-06-s2: pd and dsv4 5 s apart) raced on it and one failed,
-# so a build and the removal of what it leaves take turns on a lock.
+# this one would otherwise delete the package its servers import. No build
+# (pip's took 23-28 s of every command): scripts/install_tree.py lays out
+# what a wheel would, the package and a dist-info with its entry points.
 PROJ=$RUN/proj
-{
-  flock 9
-  if ! python3 -m pip install -q --no-deps --no-build-isolation --no-index --no-compile \
-        --target "$PROJ" . > "$RUN/install.log" 2>&1; then
-    say "== install: FAILED (see install.log)"; tail -20 "$RUN/install.log"; exit 1
-  fi
-  # setuptools may leave metadata in the checkout (git-ignored build output),
-  # which pytest (cwd on sys.path) would see as a second install.
-  rm -rf ./*.egg-info build
-} 9> /tmp/gpu_stages.install.lock
+if ! python3 scripts/install_tree.py "$PROJ" > "$RUN/install.log" 2>&1; then
+  say "== install: FAILED (see install.log)"; tail -20 "$RUN/install.log"; exit 1
+fi
 export PYTHONPATH="$PROJ${PYTHONPATH:+:$PYTHONPATH}"
 say "== install: $(ls -d "$PROJ"/sglang_hisparse-*.dist-info | xargs -n1 basename) into $PROJ ($(elapsed) s)"
 # Which pin the plugin sees and whether it would install: doctor's verdict.
