@@ -1081,6 +1081,29 @@ def test_bundle_imports_names_the_package_a_device_would_lack(tmp_path):
         assert tool.main([*args, "--device-packages", str(listing)]) == rc
 
 
+def test_install_tree_gives_sglang_the_plugins_entry_point(tmp_path):
+    """scripts/install_tree.py (gpu_stages' install, no build): the copied
+    package carries its kernel sources and patches, and its dist-info
+    answers importlib.metadata as pip's would: the name, the version and
+    setup.cfg's entry points, the plugin's among them (SGLang's loader
+    finds plugins there)."""
+    import importlib.metadata as md
+
+    import sglang_hisparse
+
+    tool = _load("install_tree", SCRIPTS / "install_tree.py")
+    info = tool.install(tmp_path)
+    (dist,) = md.distributions(path=[str(tmp_path)])
+    assert dist.locate_file(info.name) == info
+    assert dist.metadata["Name"] == "sglang-hisparse"
+    assert dist.version == sglang_hisparse.__version__
+    points = {(e.group, e.name): e.value for e in dist.entry_points}
+    assert points[("sglang.srt.plugins", "sglang_hisparse")] == "sglang_hisparse.plugin:register"
+    assert points[("console_scripts", "sglang-hisparse")] == "sglang_hisparse.__main__:main"
+    package = tmp_path / "sglang_hisparse"
+    assert list(package.glob("jit_csrc/*.cuh")) and list(package.glob("patches/*/pin.json"))
+    assert not list(package.rglob("__pycache__"))
+
 @pytest.mark.parametrize("before", ["/tmp/site", "/tmp/site-0.5.17"])
 def test_use_site_points_both_paths_at_one_pin(before):
     """gpu_stages.sh's use_site: a command on another pin (GF_SGLANG) and each
