@@ -15,12 +15,9 @@ OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 source .gpu/device_env.sh
 PROJ=/tmp/proj
 if [ ! -f "$PROJ/.ok" ]; then
-  python3 -m pip install -q --no-deps --no-build-isolation --no-index --target "$PROJ" . \
+  python3 scripts/install_tree.py "$PROJ" >/dev/null \
     && touch "$PROJ/.ok" || { echo "cannot install sglang-hisparse"; exit 1; }
 fi
-# setuptools leaves metadata in the checkout; the server runs from here with
-# the cwd on sys.path, and that metadata alone would load the plugin.
-rm -rf ./*.egg-info build
 HS_CONFIG='{"top_k": 2048, "device_buffer_size": 4096, "host_to_device_ratio": 2}'
 BASE_PYTHONPATH="$PYTHONPATH"
 TAGS=("$@"); [ ${#TAGS[@]} -gt 0 ] || TAGS=(ours base stock)
