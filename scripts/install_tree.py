@@ -3,7 +3,7 @@ without building one: the package's files and a dist-info whose
 entry_points.txt names the plugin (SGLang finds it there) and the console
 script, copied from setup.cfg.
 
-Used by scripts/gpu_stages.sh on the device machine, where pip's build took
+Used by scripts/gpu_stages.sh and scripts/gpu_smoke.sh on the device machine, where pip's build took
 23-28 s of every command (2026-12-06-s6); this takes well under a second.
 
     python3 scripts/install_tree.py TARGET_DIR

@@ -1104,6 +1104,7 @@ def test_install_tree_gives_sglang_the_plugins_entry_point(tmp_path):
     assert list(package.glob("jit_csrc/*.cuh")) and list(package.glob("patches/*/pin.json"))
     assert not list(package.rglob("__pycache__"))
 
+
 @pytest.mark.parametrize("before", ["/tmp/site", "/tmp/site-0.5.17"])
 def test_use_site_points_both_paths_at_one_pin(before):
     """gpu_stages.sh's use_site: a command on another pin (GF_SGLANG) and each
