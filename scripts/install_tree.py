@@ -9,6 +9,7 @@ Used by scripts/gpu_stages.sh and scripts/gpu_smoke.sh on the device machine, wh
     python3 scripts/install_tree.py TARGET_DIR
 """
 
+import ast
 import configparser
 import pathlib
 import shutil
@@ -17,16 +18,25 @@ import sys
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
+def _version(init: pathlib.Path) -> str:
+    """``__version__`` read from the source without running it (as
+    setup.cfg's ``attr:`` does): running ``__init__`` imports the package,
+    which is not importable where this script runs on the device."""
+    for node in ast.parse(init.read_text()).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__version__" for t in node.targets
+        ):
+            return ast.literal_eval(node.value)
+    raise SystemExit(f"no __version__ in {init}")
+
+
 def install(target: pathlib.Path) -> pathlib.Path:
     shutil.copytree(
         REPO / "sglang_hisparse",
         target / "sglang_hisparse",
         ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
     )
-    namespace: dict = {}
-    init = target / "sglang_hisparse" / "__init__.py"
-    exec(compile(init.read_text(), str(init), "exec"), namespace)
-    version = namespace["__version__"]
+    version = _version(REPO / "sglang_hisparse" / "__init__.py")
 
     cfg = configparser.ConfigParser()
     cfg.read(REPO / "setup.cfg")

@@ -1086,13 +1086,17 @@ def test_install_tree_gives_sglang_the_plugins_entry_point(tmp_path):
     package carries its kernel sources and patches, and its dist-info
     answers importlib.metadata as pip's would: the name, the version and
     setup.cfg's entry points, the plugin's among them (SGLang's loader
-    finds plugins there)."""
+    finds plugins there). It runs isolated (``-I -S``), where this
+    package is not importable, as on the device."""
     import importlib.metadata as md
+    import subprocess
 
     import sglang_hisparse
 
-    tool = _load("install_tree", SCRIPTS / "install_tree.py")
-    info = tool.install(tmp_path)
+    done = subprocess.run([sys.executable, "-I", "-S", str(SCRIPTS / "install_tree.py"), str(tmp_path)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    info = Path(done.stdout.strip())
     (dist,) = md.distributions(path=[str(tmp_path)])
     assert dist.locate_file(info.name) == info
     assert dist.metadata["Name"] == "sglang-hisparse"
