@@ -608,8 +608,7 @@ HOOKS: tuple[Entry, ...] = (
             "decode step's tokens; under HiSparse those tokens take host rows (a hot "
             "buffer's device rows are reserved at staging), so a full device side (a "
             "prompt's chunks, or hot buffers) retracted decoding requests, which then "
-            "prefilled again "
-            "(3 retractions on 2026-12-06-s5, an 11.6 s gap in a stream). Ours runs "
+            "prefilled again (3 retractions on 2026-12-06-s5, an 11.6 s gap in a stream). Ours runs "
             "the check with available_size() answering the host side "
             "(SGLANG_HISPARSE_HOST_GROWTH=0: 0.5.13's)."
         ),

@@ -146,8 +146,8 @@ def _serve(adder_cls, env, prompts, steps, max_new):
     after ``steps`` tokens (as at an EOS) while ``max_new`` is what the
     adder costs them at. Before each decode step the batch runs SGLang's
     ``check_decode_mem`` (hooked where the test's ``decode_check`` fixture
-    hooks it); a ``False`` there would retract a request. Returns (the largest running batch,
-    the decode steps whose check said no)."""
+    hooks it); a ``False`` there would retract a request. Returns (the
+    largest running batch, the decode steps whose check said no)."""
     from types import SimpleNamespace
 
     from dataplane_fixtures import prefill

@@ -41,8 +41,9 @@ before that allocation fails). So a full device side (a prompt's chunks,
 or hot buffers up to what the rows allow) made 0.5.13 retract a decoding
 request, which then prefilled its 32K prompt again: 3 retractions on
 2026-12-06-s5 (``token usage: 1.00`` after the last chunk of a prompt, then
-``KV cache pool is full``), and one 11.6 s gap in a stream. :func:`batch_check_decode_mem` (AROUND) runs the check against the
-host side (``HiSparseDualAllocator.host_side_only``). The admission hooks
+``KV cache pool is full``), and one 11.6 s gap in a stream.
+:func:`batch_check_decode_mem` (AROUND) runs the check against the host
+side (``HiSparseDualAllocator.host_side_only``). The admission hooks
 make a full device side more common, so each needs the other.
 
 Only our DSA allocator (``HiSparseDualAllocator``): DeepSeek-V4's C4 rows are
