@@ -71,11 +71,16 @@
 #             32000-token prompts x GF_DECODE_NEW (400) out, --max-total-tokens
 #             72000, GF_DECODE_CONFIGS (base:2,ours:16: requests each; base
 #             holds two), synthetic GF_DECODE_SYNTHETIC (calibrated; "" for
-#             the model's own top-k); profiles 8 steps once all run, and
+#             the model's own top-k); profiles 8 steps once all run (or
+#             once the running count stops growing: native holds ~10), and
 #             reads the decode-only rate from the server log. Measured at
 #             61 layers: base ready in 81 s, then ~30 s; ours ready in 113 s,
 #             then 16 prefills at ~7.3K tokens/s (~70 s) before all run:
-#             give it a command of its own.
+#             give it a command of its own. With native (base:2,native:16,
+#             ours:16) a request must outlast the others' prefills
+#             (GF_DECODE_NEW=3000 at ~28 ms a step), and GF_DECODE_END=5
+#             stops each server 5 s after its trace instead of decoding
+#             every request to its end.
 #   bound     end to end, decode-bound (issue #16's targets, "#16 target"
 #             lines): GF_BOUND_WORKLOADS (decodebound: 16 x 32K x 1024 out,
 #             and lone32k: one 32K request, both at --max-total-tokens 72000,
@@ -633,6 +638,7 @@ decode_cmd() {
   python3 scripts/profile_decode.py --model "$model" --port "$PORT" \
     --configs "${GF_DECODE_CONFIGS:-base:2,ours:16}" ${syn:+--synthetic "$syn"} \
     --prompt 32000 --new "${GF_DECODE_NEW:-400}" --steps 8 --warm-s 2 --no-stack \
+    ${GF_DECODE_END:+--end-after-profile "$GF_DECODE_END"} \
     --extra "--max-total-tokens 72000 --context-length 40960 --mem-fraction-static 0.45 --cuda-graph-max-bs 16" \
     --out "$RUN/decode"
 }

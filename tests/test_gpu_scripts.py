@@ -273,6 +273,98 @@ def test_busiest_threads_scales_by_the_real_interval(monkeypatch):
                                                         ("50.0%", "20", "20", "1")]
 
 
+class _LogClock:
+    """A fake clock for profile_decode's waits: ``time.sleep`` advances it
+    and appends to the server log the lines whose time has come
+    (``{t: line}``)."""
+
+    def __init__(self, log: Path, lines: dict):
+        self.log, self.lines, self.now = log, dict(lines), 0.0
+        log.write_text("")
+        self.sleep(0)
+
+    def time(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.now += s
+        due = sorted(t for t in self.lines if t <= self.now)
+        with self.log.open("a") as f:
+            for t in due:
+                f.write(self.lines.pop(t) + "\n")
+
+
+def _running_line(running):
+    return (f"[t] Decode batch, #running-req: {running}, #gpu token: 1, "
+            "gen throughput (token/s): 100.0, #queue-req: 6")
+
+
+@pytest.mark.parametrize("case", ["all", "plateau", "prefills", "timeout"])
+def test_profile_waits_for_every_request_or_for_the_running_count_to_stop_growing(
+        tmp_path, monkeypatch, case):
+    # A pool that holds 10 of 16 prompts (SGLang's native HiSparse at 32K):
+    # waiting for 16 would spend the whole join timeout. The wait ends 20 s
+    # after the count last grew, unless a prefill (a prompt still being
+    # admitted) is logged meanwhile.
+    prof = _load("profile_decode", SCRIPTS / "profile_decode.py")
+    log = tmp_path / "server.log"
+    lines = {float(t): _running_line(r) for t, r in ((5, 4), (10, 8), (15, 10), (30, 10), (45, 10))}
+    if case == "all":
+        lines[30.0] = _running_line(16)
+    if case == "prefills":  # the next prompts prefill while the count stays at 10
+        lines.update({25.0: "[t] Prefill batch, #new-seq: 1", 40.0: "[t] Prefill batch, #new-seq: 1"})
+    clock = _LogClock(log, lines)
+    monkeypatch.setattr(prof.time, "time", clock.time)
+    monkeypatch.setattr(prof.time, "sleep", clock.sleep)
+    timeout = 30.0 if case == "timeout" else 300.0
+    waited, running = prof.wait_all_running(log, 16, timeout, 20.0 if case != "timeout" else 60.0)
+    want = {"all": (30.0, 16), "plateau": (35.0, 10), "prefills": (60.0, 10), "timeout": (30.0, 10)}[case]
+    assert (round(waited), running) == want
+
+
+@pytest.mark.parametrize("end_after_profile", [True, False])
+def test_end_after_profile_stops_the_server_under_unfinished_requests(
+        tmp_path, monkeypatch, end_after_profile):
+    # Requests long enough to outlast a slow fill: with --end-after-profile
+    # the server stops once the trace is written and the streams end with
+    # it; without, the script waits for every request to finish.
+    prof = _load("profile_decode", SCRIPTS / "profile_decode.py")
+    e2e = prof.e2e_gpu
+    stopped, ended_by_stop = threading.Event(), []
+
+    class LauncherStub:  # e2e_gpu.Server, this script's own launcher
+        url = "http://stub"
+
+        def __init__(self, model, port, config, extra, log, **kwargs):
+            log.write_text(_running_line(2) + "\n")
+
+        def wait_ready(self):
+            return 0.0
+
+        def stop(self):
+            stopped.set()
+
+    def stream(url, ids, max_new):
+        ended_by_stop.append(stopped.wait(3))  # False: it "finished" on its own
+        if ended_by_stop[-1]:
+            raise ConnectionResetError("the server stopped")
+        return {"gaps_ms": [1.0, 1.0]}
+
+    def start_profile(url, body):
+        _trace(Path(body["output_dir"]) / "p.trace.json.gz", [("gemm", 0, 100)])
+
+    monkeypatch.setattr(e2e, "Server", LauncherStub)
+    monkeypatch.setattr(e2e, "stream_generate", stream)
+    monkeypatch.setattr(e2e, "exit_on_sigterm", lambda: None)
+    monkeypatch.setattr(prof, "post", start_profile)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    flags = ["--end-after-profile", "0.1"] if end_after_profile else []
+    rc = prof.main(["--configs", "native:2", "--warm-s", "0", "--steps", "1", "--no-stack",
+                    "--model", str(tmp_path), "--out", str(tmp_path / "out"), *flags])
+    assert rc == 0 and (tmp_path / "out" / "profile_native_2x16000.txt").exists()
+    assert ended_by_stop == [end_after_profile] * 2
+
+
 def test_thread_cpu_times_lists_every_thread_of_a_process():
     # The /proc reader on this machine: this process and each of its
     # threads, by (pid, tid), with its name and tick counts.
