@@ -59,6 +59,7 @@ def install(target: pathlib.Path) -> pathlib.Path:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
+    # A flag is never a target: `--help` once installed a copy into ./--help.
+    if len(sys.argv) != 2 or sys.argv[1].startswith("-"):
         sys.exit(__doc__)
     print(install(pathlib.Path(sys.argv[1])))
