@@ -302,6 +302,11 @@
 #             15 MiB parts when larger; not returned above ~45 MiB). Run
 #             last; ~0.5-1 min. Then, here:
 #             cat jitcache.tar.xz* > .bundle/jitcache.tar.xz
+#   jitfit    the same, only if 60 s of the budget are left once the other
+#             stages end: nothing is kept back for it, so a cold command
+#             sized for its stages can ask for it (jit keeps 60 s back from
+#             every stage: 2026-12-06-s5's cold decodelong stage took 469 s
+#             of 491 and would have been cut off at 431).
 # A split that fits 3 commands of <= 10 min (plus ~1 min machine start each):
 #   1. bash scripts/gpu_stages.sh bg-tests check fault jit   (~6-7 min)
 #   2. bash scripts/gpu_stages.sh e2e1 deep                  (~8-10 min cold)
@@ -336,8 +341,8 @@ if [ ${#STAGES[@]} -eq 0 ]; then
   exit 2
 fi
 for s in "${STAGES[@]}"; do
-  case $s in tests|bg-tests|check|fault|e2e|e2e1|e2e2|deep|trace|decode|bound|stream|kbench|mtp|mtpproof|mtpperf|mtpprof|pd|indexshare|dsv4|pin|jit) ;;
-    *) echo "unknown stage $s (tests bg-tests check fault e2e e2e1 e2e2 deep trace decode bound stream kbench mtp mtpproof mtpperf mtpprof pd indexshare dsv4 pin jit)"; exit 2 ;;
+  case $s in tests|bg-tests|check|fault|e2e|e2e1|e2e2|deep|trace|decode|bound|stream|kbench|mtp|mtpproof|mtpperf|mtpprof|pd|indexshare|dsv4|pin|jit|jitfit) ;;
+    *) echo "unknown stage $s (tests bg-tests check fault e2e e2e1 e2e2 deep trace decode bound stream kbench mtp mtpproof mtpperf mtpprof pd indexshare dsv4 pin jit jitfit)"; exit 2 ;;
   esac
 done
 [ -f scripts/e2e_gpu.py ] && [ -f .gpu/device_env.sh ] || {
@@ -355,15 +360,26 @@ SUMMARY=$OUT/summary.txt
 say() { echo "$*" | tee -a "$SUMMARY"; }
 elapsed() { echo $(( $(date +%s) - T0 )); }
 
-WANT_JIT=0
-for s in "${STAGES[@]}"; do [ "$s" = jit ] && WANT_JIT=1; done
+WANT_JIT=0 JIT_IF_TIME=0
+for s in "${STAGES[@]}"; do
+  [ "$s" = jit ] && WANT_JIT=1
+  [ "$s" = jitfit ] && JIT_IF_TIME=1
+done
 # Kept back from every stage: packing the logs (and saving the JIT cache).
 RESERVE=$(( 15 + 60 * WANT_JIT ))
+
+jitfit_left() {  # what jitfit's save has once the stages end (15 s: packing the logs)
+  echo $(( BUDGET_S - ($(date +%s) - T0) - 15 ))
+}
 
 finish() {
   local rc=$?
   declare -F say_doctor >/dev/null && say_doctor
   [ -n "${BG_PID:-}" ] && wait_bg
+  if [ "$WANT_JIT" = 0 ] && [ "$JIT_IF_TIME" = 1 ]; then
+    local jit_left; jit_left=$(jitfit_left)
+    if [ "$jit_left" -ge 60 ]; then WANT_JIT=1; else say "== jitfit: SKIPPED ($jit_left s left, needs ~60 s)"; fi
+  fi
   if [ "$WANT_JIT" = 1 ]; then
     local s; s=$(date +%s)
     if declare -F save_jit_cache >/dev/null && save_jit_cache "$RUN"; then
@@ -959,7 +975,7 @@ trace_cmd"
       wait_bg
       run_stage pin 90 560 bash -c "$(declare -f pin_cmd pin_e2e use_site); $(declare -p E2E CPU_ARGS RUN KIT_SGLANG); pin_cmd"
       show pin ;;
-    jit) ;;  # done by finish, after everything else
+    jit|jitfit) ;;  # done by finish, after everything else
   esac
   say_doctor
 done

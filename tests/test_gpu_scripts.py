@@ -1173,6 +1173,22 @@ def test_bundle_imports_names_the_package_a_device_would_lack(tmp_path):
         assert tool.main([*args, "--device-packages", str(listing)]) == rc
 
 
+def test_jitfit_saves_the_cache_only_with_a_minute_left():
+    """gpu_stages.sh's jitfit_left: ``jitfit`` keeps nothing back from the
+    stages (``jit`` keeps 60 s), and saves the JIT cache only when 60 s
+    are left after them and the 15 s of log packing."""
+    import subprocess
+
+    def left(elapsed):
+        script = stage_functions("jitfit_left") + f"T0=$(( $(date +%s) - {elapsed} )); BUDGET_S=590; jitfit_left"
+        return int(subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout)
+
+    assert 74 <= left(501) <= 75   # 2026-12-06-s5's cold decodelong call: 508 s in all
+    assert left(530) < 60
+    text = (SCRIPTS / "gpu_stages.sh").read_text()
+    assert 'if [ "$jit_left" -ge 60 ]; then WANT_JIT=1' in text
+
+
 def test_install_tree_gives_sglang_the_plugins_entry_point(tmp_path):
     """scripts/install_tree.py (gpu_stages' install, no build): the copied
     package carries its kernel sources and patches, and its dist-info
