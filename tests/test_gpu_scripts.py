@@ -1183,7 +1183,7 @@ def test_jitfit_saves_the_cache_only_with_a_minute_left():
         script = stage_functions("jitfit_left") + f"T0=$(( $(date +%s) - {elapsed} )); BUDGET_S=590; jitfit_left"
         return int(subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout)
 
-    assert 74 <= left(501) <= 75   # 2026-12-06-s5's cold decodelong call: 508 s in all
+    assert 66 <= left(508) <= 67   # 2026-12-06-s5's cold decodelong call ended at 508 s
     assert left(530) < 60
     text = (SCRIPTS / "gpu_stages.sh").read_text()
     assert 'if [ "$jit_left" -ge 60 ]; then WANT_JIT=1' in text
