@@ -369,7 +369,7 @@ done
 RESERVE=$(( 15 + 60 * WANT_JIT ))
 
 jitfit_left() {  # what jitfit's save has once the stages end (15 s: packing the logs)
-  echo $(( BUDGET_S - ($(date +%s) - T0) - 15 ))
+  echo $(( BUDGET_S - $(elapsed) - 15 ))
 }
 
 finish() {
