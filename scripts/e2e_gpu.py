@@ -785,12 +785,14 @@ def _results_or_stall(futs, log_path: Optional[Path], stall_s: float, res: dict)
 
 def run_workload(url: str, name: str, seed0: int = 0, max_requests: Optional[int] = None,
                  max_new: Optional[int] = None, log_path: Optional[Path] = None,
-                 stall_s: float = STALL_S) -> dict:
+                 stall_s: float = STALL_S, prompts: Optional[list] = None) -> dict:
     """A workload's groups, one after the other, each group's requests at
-    once. With ``log_path`` (the server's log) a stalled server raises
+    once (``prompts``: other groups of prompt lengths, with the workload's
+    output length). With ``log_path`` (the server's log) a stalled server raises
     ServerStalled instead of holding the command until its requests time
     out; the caller stops the server, which ends the requests."""
     groups, default_new, _ = WORKLOADS[name]
+    groups = prompts or groups
     max_new = max_new or default_new
     if max_requests:
         groups = [lens[:max_requests] for lens in groups]
@@ -1360,8 +1362,10 @@ def main() -> int:
                     help="rounds of launches; each round launches every configuration in turn")
     ap.add_argument("--inner-repeats", type=int, default=1,
                     help="runs of each workload per launch (launches cost ~1 min each)")
-    ap.add_argument("--warmup", type=int, choices=(0, 1), default=1,
-                    help="run each workload once unrecorded after every launch (default 1)")
+    ap.add_argument("--warmup", type=int, choices=(0, 1, 2), default=1,
+                    help="after every launch, unrecorded: 1 runs each workload once (default); "
+                         "2 sends each workload's longest prompt once for 2 tokens (the first "
+                         "full-size prefill builds its kernels: see warm_up); 0 nothing")
     ap.add_argument("--port", type=int, default=30010)
     ap.add_argument("--margin", type=float, default=0.05)
     ap.add_argument("--tol", type=float, default=0.05)
@@ -1593,11 +1597,7 @@ def serve_launch(model: str, port: int, cfg: str, rep: int, flags: list, wenv: d
         ready = srv.wait_ready()
         record["ready_s"] = ready
         print(f"[{cfg} rep{rep}] ready in {ready:.0f}s", flush=True)
-        for w in ([w for w in ws if w != "drain"] if args.warmup else []):
-            # The first batch after launch pays one-time costs (JIT
-            # builds, allocator growth): run each workload once unrecorded.
-            run_workload(srv.url, w, seed0=7919, max_requests=args.requests,
-                         max_new=args.max_new, log_path=log)
+        warm_up(srv.url, ws, args, log)
         if args.step_profile and timer_out is not None:
             # The profile restarts at the first batch after this.
             (timer_out / "profile_reset").touch()
@@ -1612,6 +1612,25 @@ def serve_launch(model: str, port: int, cfg: str, rep: int, flags: list, wenv: d
     finally:
         stop_launch(srv, log, record, args)
     return runs, record
+
+
+def warm_up(url: str, ws: list, args, log: Path) -> None:
+    """The unrecorded run after a launch (``--warmup``). The first batch
+    after launch pays one-time costs (JIT builds, allocator growth).
+    ``--warmup 1`` runs each workload once; ``--warmup 2`` only prefills
+    each workload's longest prompt (two tokens: one decode step), which
+    builds the kernels of the full-size chunks at the cost of one prefill.
+    Without it the configuration measured first on a cold machine pays the
+    builds alone: ours' first 8192-token chunk waited 17 s, a third of its
+    decodelong run (1835 tok/s; the same server's prefills then took 10 s
+    for 16 prompts; 2026-12-07-s3)."""
+    for w in [w for w in ws if w != "drain"]:
+        if args.warmup == 2:
+            longest = max(n for group in WORKLOADS[w][0] for n in group)
+            run_workload(url, w, seed0=7919, max_new=2, log_path=log, prompts=[[longest]])
+        elif args.warmup:
+            run_workload(url, w, seed0=7919, max_requests=args.requests,
+                         max_new=args.max_new, log_path=log)
 
 
 def launch_files(args, cfg: str, ws: list, rep: int) -> tuple[Path, Path | None]:
@@ -1732,9 +1751,7 @@ def serve_together(model: str, configs: list[str], port: int, rep: int, flags: l
 
         for cfg in ready if args.warmup else []:
             turn(cfg)
-            for w in [w for w in ws if w != "drain"]:
-                run_workload(servers[cfg][0].url, w, seed0=7919, max_requests=args.requests,
-                             max_new=args.max_new, log_path=servers[cfg][1])
+            warm_up(servers[cfg][0].url, ws, args, servers[cfg][1])
         for inner in range(args.inner_repeats):
             for cfg in (ready if inner % 2 == 0 else ready[::-1]):
                 srv, log, timer_out = servers[cfg]

@@ -851,7 +851,7 @@ bound_cmd() {
   # weights each; --max-total-tokens caps every pool anyway.
   "${E2E[@]}" --model "$model" --configs "${GF_BOUND_CONFIGS:-base,native,ours,noio}" ${syn:+--synthetic "$syn"} \
     --workloads "${GF_BOUND_WORKLOADS:-decodebound,lone32k}" ${GF_BOUND_NEW:+--max-new "$GF_BOUND_NEW"} \
-    --warmup 0 --server-args "--mem-fraction-static ${GF_MEM_FRACTION:-0.6} --cuda-graph-max-bs 16 ${GF_BOUND_SERVER_ARGS:-}" \
+    --warmup 2 --server-args "--mem-fraction-static ${GF_MEM_FRACTION:-0.6} --cuda-graph-max-bs 16 ${GF_BOUND_SERVER_ARGS:-}" \
     "${together[@]}" "${CPU_ARGS[@]}" --out "$RUN/bound.json" --logs "$RUN/bound"
 }
 
@@ -859,7 +859,7 @@ stream_cmd() {
   local together=()
   [ "${GF_STREAM_TOGETHER:-0}" = 1 ] && together=(--together --inner-repeats "${GF_STREAM_INNER:-1}")
   "${E2E[@]}" --configs "${GF_STREAM_CONFIGS:-stream,ours,base}" \
-    --workloads "${GF_STREAM_WORKLOAD:-decodebound}" --warmup 0 "${CPU_ARGS[@]}" "${together[@]}" \
+    --workloads "${GF_STREAM_WORKLOAD:-decodebound}" --warmup 2 "${CPU_ARGS[@]}" "${together[@]}" \
     --out "$RUN/stream.json" --logs "$RUN/stream"
 }
 

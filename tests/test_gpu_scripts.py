@@ -1494,6 +1494,7 @@ class _StandInServer:
     the configuration ``differs``), top-2 logprobs and speculative counts."""
 
     events: list = []
+    requests: list = []  # (config, prompt length, max_new_tokens), as they come
     differs = None
 
     def __init__(self, model, port, config, extra, log_path, step_timer_out=None, cpus=None,
@@ -1508,6 +1509,7 @@ class _StandInServer:
 
         def answer(body):
             n = body["sampling_params"]["max_new_tokens"]
+            _StandInServer.requests.append((config, len(body["input_ids"]), n))
             ids = [7] * n
             if differs and len(body["input_ids"]) > 2048:
                 ids[-1] = 8
@@ -1651,6 +1653,35 @@ def test_together_starts_every_server_then_runs_one_at_a_time(tmp_path, monkeypa
     monkeypatch.setattr(sys, "argv", argv + ["--parallel"])
     with pytest.raises(SystemExit):
         e2e.main()
+
+
+@pytest.mark.parametrize("together", [True, False])
+def test_prefill_warmup_sends_each_workload_its_longest_prompt_once(tmp_path, monkeypatch, together):
+    """--warmup 2: before its measured runs every server prefills the
+    workload's longest prompt once, for 2 tokens (the first full-size
+    prefill builds its kernels, which the configuration measured first
+    would otherwise pay alone); --warmup 1 runs the whole workload."""
+    e2e = _load("e2e_gpu", SCRIPTS / "e2e_gpu.py")
+    monkeypatch.setitem(sys.modules, "e2e_gpu", e2e)
+    monkeypatch.setattr(e2e, "Server", _StandInServer)
+    monkeypatch.setattr(e2e, "package_origin", lambda env: {"origin": "stand-in"})
+    kit = tmp_path / "kit"
+    kit.mkdir()
+    (kit / "config.json").write_text(json.dumps({"num_hidden_layers": 4}))
+    groups, new, _ = e2e.WORKLOADS["smoke"]
+    measured = sorted(n for g in groups for n in g)
+    for warmup, unrecorded in (("2", [(max(measured), 2)]), ("1", [(n, new) for n in measured])):
+        _StandInServer.events, _StandInServer.requests, _StandInServer.differs = [], [], None
+        monkeypatch.setattr(sys, "argv", [
+            "e2e_gpu.py", "--model", str(kit), "--configs", "base,ours", "--workloads", "smoke",
+            "--warmup", warmup, "--port", "31000", "--out", str(tmp_path / "e2e.json"),
+            "--logs", str(tmp_path / "logs")] + (["--together"] if together else []))
+        assert e2e.main() == 0
+        for cfg in ("base", "ours"):
+            got = [(n, k) for c, n, k in _StandInServer.requests if c == cfg]
+            k = len(unrecorded)
+            assert sorted(got[:k]) == sorted(unrecorded), (warmup, cfg, got)
+            assert sorted(got[k:]) == [(n, new) for n in measured]  # the measured run
 
 
 def test_move_server_pins_every_thread_of_the_server_group():
