@@ -189,6 +189,7 @@ _DEMAND = "sglang_hisparse.adapter.scheduler:scheduler_prefill_demand"
 _STREAMING_HOOK = "sglang_hisparse.adapter.scheduler:scheduler_get_new_batch_prefill"
 _GROWTH_ON_HOST = "sglang_hisparse.adapter.prefill_adder:adder_init_growth_on_host"
 _IGNORE_EOS_HOOK = "sglang_hisparse.adapter.prefill_adder:adder_add_one_req_ignore_eos"
+_ADD_ONE_REQ_HOOK = "sglang_hisparse.adapter.prefill_adder:adder_add_one_req"
 _DECODE_CHECK_HOOK = "sglang_hisparse.adapter.prefill_adder:batch_check_decode_mem"
 _COUNT = "sglang_hisparse.engine.streams:RealRequestCount"
 _DRAFT_SWA = "sglang_hisparse.adapter.disaggregation_dsv4:register_draft_swa_state"
@@ -585,6 +586,25 @@ HOOKS: tuple[Entry, ...] = (
         impl=_GROWTH_ON_HOST,
         upstream="none: 0.5.23 charges decode growth to available_size() (srt/managers/schedule_policy.py)",
         tests=("tests/test_prefill_adder.py", "tests/test_parking.py", "tests/test_dsv4.py"),
+    ),
+    _data_plane_hook(
+        target=f"{_ADDER}.add_one_req",
+        kind=Kind.AROUND,
+        why=(
+            "0.5.13 checks a prompt that stops at EOS, with its clipped output (up "
+            "to 4096 tokens), against available_size(), whose device side binds "
+            "under HiSparse, and keeps that output charged there for the rest of the "
+            "adder pass; the output takes host rows. Ours checks prompt and output "
+            "against the host side and the prompt alone against the device rows the "
+            "pass's prompts leave (cur_rem_token_offset). ignore_eos prompts pass "
+            "through to add_one_req_ignore_eos (SGLANG_HISPARSE_HOST_GROWTH=0: 0.5.13's). "
+            "Also relied on (parking's demand, the streaming cap): a waiting request "
+            "costs extend_input_len + min(max_new_tokens - outputs, CLIP_MAX_NEW_TOKENS) "
+            "+ page_size, admitted while < rem_total_tokens; cut at rem_chunk_tokens."
+        ),
+        impl=_ADD_ONE_REQ_HOOK,
+        upstream="none: 0.5.23 charges the output to available_size() (srt/managers/schedule_policy.py)",
+        tests=("tests/test_prefill_adder.py", "tests/test_parking.py", "tests/test_streaming.py"),
     ),
     _data_plane_hook(
         target=f"{_ADDER}.add_one_req_ignore_eos",
@@ -1227,12 +1247,11 @@ DEPENDS: tuple[Entry, ...] = (
         tests=("tests/test_parking.py", "tests/test_prefill_adder.py"),
     ),
     _depends(
-        f"{_ADDER}.add_one_req",
-        "a waiting request costs extend_input_len + min(max_new_tokens - outputs, "
-        "CLIP_MAX_NEW_TOKENS) + page_size, admitted while < rem_total_tokens; cut "
-        "at rem_chunk_tokens",
-        (_DEMAND, _STREAMING_HOOK),
-        tests=("tests/test_parking.py", "tests/test_streaming.py"),
+        f"{_ADDER}._update_prefill_budget",
+        "an admitted prompt adds input + clipped output + page to "
+        "rem_total_token_offset and input + page (no output) to cur_rem_token_offset",
+        (_ADD_ONE_REQ_HOOK,),
+        tests=("tests/test_prefill_adder.py",),
     ),
     _depends(
         f"{_ADDER}.add_chunked_req",
@@ -1244,13 +1263,13 @@ DEPENDS: tuple[Entry, ...] = (
     _depends(
         f"{_ADDER}.rem_total_tokens",
         "admission budget = allocator available_size() + evictable - offset",
-        (_DEMAND, f"{_ALLOC}.available_size", _GROWTH_ON_HOST, _IGNORE_EOS_HOOK),
+        (_DEMAND, f"{_ALLOC}.available_size", _GROWTH_ON_HOST, _IGNORE_EOS_HOOK, _ADD_ONE_REQ_HOOK),
         tests=("tests/test_parking.py", "tests/test_allocator.py", "tests/test_prefill_adder.py"),
     ),
     _depends(
         f"{_ADDER}.cur_rem_tokens",
         "the per-batch budget reads allocator available_size() the same way",
-        (f"{_ALLOC}.available_size", _IGNORE_EOS_HOOK),
+        (f"{_ALLOC}.available_size", _IGNORE_EOS_HOOK, _ADD_ONE_REQ_HOOK),
         tests=("tests/test_allocator.py", "tests/test_prefill_adder.py"),
     ),
     # --- batches: decode preparation, retraction.

@@ -27,6 +27,7 @@ def adder_cls(request, monkeypatch):
 
     if request.param == "hooked":
         init, ignore_eos = PrefillAdder.__init__, PrefillAdder.add_one_req_ignore_eos
+        add_one = PrefillAdder.add_one_req
 
         @functools.wraps(init)
         def after_init(self, *args, **kwargs):
@@ -36,7 +37,12 @@ def adder_cls(request, monkeypatch):
         def around_ignore_eos(self, *args, **kwargs):
             return hooks.adder_add_one_req_ignore_eos(ignore_eos, self, *args, **kwargs)
 
+        @functools.wraps(add_one)
+        def around_add_one(self, *args, **kwargs):
+            return hooks.adder_add_one_req(add_one, self, *args, **kwargs)
+
         monkeypatch.setattr(PrefillAdder, "__init__", after_init)
+        monkeypatch.setattr(PrefillAdder, "add_one_req", around_add_one)
         monkeypatch.setattr(PrefillAdder, "add_one_req_ignore_eos", around_ignore_eos)
     monkeypatch.setattr(PrefillAdder, "hooked", request.param == "hooked", raising=False)
     with sglang_server_args():
@@ -59,14 +65,20 @@ def _running(env, max_new, ignore_eos=True):
     return reqs
 
 
-def _admit(adder_cls, env, running, req):
-    """One ``add_one_req`` (SGLang's own dispatch to the ignore_eos path)."""
+def _admit(adder_cls, env, running, *reqs):
+    """One adder pass: ``add_one_req`` for each of ``reqs`` while it answers
+    CONTINUE, as the scheduler calls it (SGLang's own dispatch to the
+    ignore_eos path). Returns the last answer and the requests admitted."""
     from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.managers.schedule_policy import AddReqResult
 
     adder = adder_cls(PS, chunk_cache(env.r2t, env.alloc), env.alloc, ScheduleBatch(reqs=running),
                       0.5, 10**6, None)
-    req.init_next_round_input()
-    result = adder.add_one_req(req, False, None)
+    for req in reqs:
+        req.init_next_round_input()
+        result = adder.add_one_req(req, False, None)
+        if result != AddReqResult.CONTINUE:
+            break
     return result.name, [r.rid for r in adder.can_run_list]
 
 
@@ -98,6 +110,34 @@ def test_clipped_ratio_path_charges_running_growth_to_host_only_with_the_hooks(a
     running = _running(env, max_new=1000, ignore_eos=False)
     got = _admit(adder_cls, env, running, _req("w", 256, 100, ignore_eos=False))
     assert got == (("CONTINUE", ["w"]) if adder_cls.hooked else ("NO_TOKEN", []))
+    _finish(env, running)
+
+
+@pytest.mark.parametrize("adder_cls", ["sglang", "hooked"], indirect=True)
+def test_a_prompts_own_output_takes_host_rows_only_with_the_hooks(adder_cls):
+    # Prompts that stop at EOS, 128 tokens each, costed at 1000 output
+    # tokens, against 448 free device rows. 0.5.13 charges 128 + 1000 + a
+    # page to min(host, device) and admits none; hooked, each charges its
+    # prompt and a page (192 rows) to the device side, and its output to the
+    # host's: two fit beside each other, a third does not (64 rows left).
+    env = Env(phys=1024, ratio=8)
+    running = _running(env, max_new=10, ignore_eos=False)
+    prompts = [_req(f"w{i}", 128, 1000, ignore_eos=False) for i in range(3)]
+    got = _admit(adder_cls, env, running, *prompts)
+    assert got == (("NO_TOKEN", ["w0", "w1"]) if adder_cls.hooked else ("NO_TOKEN", []))
+    _finish(env, running)
+
+
+@pytest.mark.parametrize("adder_cls", ["hooked"], indirect=True)
+def test_a_prompts_output_the_host_cannot_hold_is_still_refused(adder_cls):
+    # Host rows 3 x 1024, 3 x 320 held, 15 owed to the running requests'
+    # growth: 128 + 1000 + a page fit once, not twice (the device holds both).
+    env = Env(phys=1024, ratio=3)
+    running = _running(env, max_new=10, ignore_eos=False)
+    logical, physical = env.alloc.budgets()
+    assert 1192 < logical - 15 < 2 * 1192 and physical == 448
+    prompts = [_req(f"w{i}", 128, 1000, ignore_eos=False) for i in range(2)]
+    assert _admit(adder_cls, env, running, *prompts) == ("NO_TOKEN", ["w0"])
     _finish(env, running)
 
 

@@ -11,23 +11,35 @@ Charged to the device side, the growth held back prompts whose rows were
 free. On 2026-12-06-s5 (16 x 32K prompts x 6144 out, ``ignore_eos``) ours
 ran at most 11 requests, one more every ~5 s. This is why.
 
-Two paths, two hooks:
+Three paths, three hooks:
 
 * Every prompt: ``PrefillAdder.__init__`` adds the running requests'
   expected tokens (``G``, SGLang's own ``_get_running_request_total_token_offset``)
   to ``rem_total_token_offset``. :func:`adder_init_growth_on_host` (AFTER)
   credits it back on the device side. With the host side ``L`` and the device side ``P``:
   ``rem_total_tokens`` becomes ``min(L, P + G) - G - rest`` (``rest``: the
-  batch's own prompts and clipped outputs, which still pay on both sides),
-  i.e. ``min(L - G - rest, P - rest)``.
+  batch's own prompts and clipped outputs), i.e. ``min(L - G - rest, P -
+  rest)``. What a new prompt's output costs on the device side: below.
+* Prompts that stop at EOS (real traffic): ``add_one_req`` charges the
+  prompt ``input + its clipped output + a page`` against ``rem_total_tokens``.
+  Its output takes host rows too, so :func:`adder_add_one_req` (AROUND)
+  checks the whole charge against the host side (``L - G - rest``) and only
+  ``input + a page`` against the device rows this batch's prompts leave
+  (``P - cur_rem_token_offset``: SGLang's own running sum of prompts and
+  pages, outputs not counted). Without it a prompt owed its clipped output
+  (up to 4096 tokens) on the device side: refused where its prompt fit, and
+  the prompts after it in the same pass refused rows that were free.
 * ``ignore_eos`` prompts (benchmarks; HiSparse requires
   ``--disable-radix-cache``, which routes them here): ``add_one_req_ignore_eos``
   simulates every request to its end against ``cur_rem_tokens``.
   :func:`adder_add_one_req_ignore_eos` (AROUND) checks the prompt against both
-  sides first. It then runs the simulation with ``cur_rem_tokens`` on the host
-  side only (``L`` in place of ``min(L, P)``).
+  sides first (there the device side still holds the outputs of the
+  pass's earlier prompts: a later prompt waits one pass). It then runs the
+  simulation with ``cur_rem_tokens`` on the host side only (``L`` in place
+  of ``min(L, P)``).
 
-Both shift the adder's offsets by amounts fixed while the adder lives. No
+The first shifts the adder's offsets by an amount fixed while the adder
+lives; the other two shift them only for the call they wrap. No
 row is allocated during admission, so ``L`` and ``P`` do not move. Parking's
 demand (``adapter.scheduler.scheduler_prefill_demand``) costs the next prompt
 the same way, without the running requests' growth.
@@ -102,9 +114,45 @@ def adder_init_growth_on_host(result, self, *args, **kwargs):
     sides = _sides(self)
     if sides is None:
         return result
-    growth = sum(self._get_running_request_total_token_offset(r) for r in running.reqs)
-    self.rem_total_token_offset -= device_growth_credit(*sides, growth)
+    self.rem_total_token_offset -= device_growth_credit(*sides, _running_growth(self))
     return result
+
+
+def _running_growth(adder) -> float:
+    """``G``: the running requests' expected tokens, as SGLang's adder adds
+    them to ``rem_total_token_offset``."""
+    running = adder.running_batch
+    if running is None:
+        return 0
+    return sum(adder._get_running_request_total_token_offset(r) for r in running.reqs)
+
+
+def adder_add_one_req(original, self, req, *args, **kwargs):
+    """AROUND ``PrefillAdder.add_one_req`` (0.5.13 ``schedule_policy.py:858``):
+    a prompt that stops at EOS is checked, with its clipped output, against
+    the host side, and without it against the device rows left by this
+    batch's prompts. ``ignore_eos`` prompts go through SGLang's dispatch to
+    ``add_one_req_ignore_eos`` (hooked below) unchanged."""
+    sides = _sides(self)
+    if sides is None or (req.sampling_params.ignore_eos and getattr(self.tree_cache, "disable", True)):
+        return original(self, req, *args, **kwargs)
+    from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
+
+    logical, physical = sides
+    # The original's own charge for the output (0.5.13 to 0.5.17).
+    max_new = min(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
+    # rem_total_tokens is min(L - G - rest, P - rest) after the __init__
+    # hook (the offset holds G + rest less that hook's credit); the check
+    # below wants the device side with no output in it but this prompt's,
+    # which the original adds to the prompt it compares.
+    host_left = logical - self.rem_total_token_offset - device_growth_credit(logical, physical, _running_growth(self))
+    device_left = physical - self.cur_rem_token_offset + max_new
+    credit = max(0, min(host_left, device_left) - (min(logical, physical) - self.rem_total_token_offset))
+    self.rem_total_token_offset -= credit
+    try:
+        return original(self, req, *args, **kwargs)
+    finally:
+        self.rem_total_token_offset += credit
 
 
 def adder_add_one_req_ignore_eos(original, self, req, *args, **kwargs):
