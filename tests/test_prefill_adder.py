@@ -163,11 +163,14 @@ def test_growth_the_host_cannot_hold_is_still_refused(adder_cls):
 
 
 @pytest.mark.parametrize("adder_cls", ["hooked"], indirect=True)
-def test_host_growth_off_keeps_sglangs_costing(adder_cls, monkeypatch):
+@pytest.mark.parametrize("ignore_eos", [True, False])
+def test_host_growth_off_keeps_sglangs_costing(adder_cls, monkeypatch, ignore_eos):
+    # Both admit the prompt with the hooks on (the tests above).
     monkeypatch.setenv(hooks.HOST_GROWTH_ENV, "0")
     env = Env(phys=1024, ratio=8)
-    running = _running(env, max_new=1000)
-    assert _admit(adder_cls, env, running, _req("w", 256, 1000, True)) == ("NO_TOKEN", [])
+    running = _running(env, max_new=1000 if ignore_eos else 10, ignore_eos=ignore_eos)
+    prompt = _req("w", 256 if ignore_eos else 128, 1000, ignore_eos)
+    assert _admit(adder_cls, env, running, prompt) == ("NO_TOKEN", [])
     _finish(env, running)
 
 
