@@ -23,7 +23,11 @@
 #                                                  # see the dsv4 stage below
 #   Optional: a JIT cache brought back by the `jit` stage:
 #   cat jitcache.tar.xz.* > .bundle/jitcache.tar.xz  (counts toward the
-#   64 MiB that travels: the kit's bundle is ~45 MB of it).
+#   64 MiB that travels: the kit's bundle is ~45 MB of it). With the
+#   tracked tree at ~21 MB (2026-12-07) the two no longer travel together:
+#   carry [".bundle/site.tar.xz.00", ".gpu"] for `source .gpu/device_env.sh`
+#   (it unpacks the site once per machine), then at once, on the warm
+#   machine, [".bundle/jitcache.tar.xz", ".gpu"] for the stages.
 #
 # ON THE DEVICE, from the repo root, carry [".bundle", ".gpu"]:
 #   bash scripts/gpu_stages.sh STAGE...
@@ -93,7 +97,13 @@
 #             servers start at once and take turns, GF_BOUND_INNER rounds
 #             (GF_MEM_FRACTION 0.8 for five or six servers at once);
 #             GF_BOUND_SERVER_ARGS: more server flags for every config
-#             (e.g. "--chunked-prefill-size 2048" for the gaps).
+#             (e.g. "--chunked-prefill-size 2048" for the gaps);
+#             GF_BOUND_CHECK=1: --check (the in-server exactness check,
+#             SGLANG_HISPARSE_CHECK=1, on ours-like configs: issue #16's
+#             exactness item on these workloads). The check compares
+#             every resolved row with its authoritative copy after each
+#             layer's swap-in, so a checked launch times nothing: run it
+#             apart from the timing rounds.
 #             decodelong (4096 out, its own launch): a round of base,
 #             native, ours and noio should take ~240 s on 8 layers (base
 #             ~110 s of it, estimated from 2048 out), ~390 s at
@@ -847,12 +857,13 @@ bound_cmd() {
   # GF_BOUND_TOGETHER=1: every config's server starts at once (one start-up
   # for all), then the configs take turns, GF_BOUND_INNER rounds.
   [ "${GF_BOUND_TOGETHER:-0}" = 1 ] && together=(--together --inner-repeats "${GF_BOUND_INNER:-1}")
+  local check=(); [ "${GF_BOUND_CHECK:-0}" = 1 ] && check=(--check)
   # GF_MEM_FRACTION (0.6): four 8-layer servers at once hold ~5 GB of
   # weights each; --max-total-tokens caps every pool anyway.
   "${E2E[@]}" --model "$model" --configs "${GF_BOUND_CONFIGS:-base,native,ours,noio}" ${syn:+--synthetic "$syn"} \
     --workloads "${GF_BOUND_WORKLOADS:-decodebound,lone32k}" ${GF_BOUND_NEW:+--max-new "$GF_BOUND_NEW"} \
     --warmup 2 --server-args "--mem-fraction-static ${GF_MEM_FRACTION:-0.6} --cuda-graph-max-bs 16 ${GF_BOUND_SERVER_ARGS:-}" \
-    "${together[@]}" "${CPU_ARGS[@]}" --out "$RUN/bound.json" --logs "$RUN/bound"
+    "${together[@]}" "${check[@]}" "${CPU_ARGS[@]}" --out "$RUN/bound.json" --logs "$RUN/bound"
 }
 
 stream_cmd() {
