@@ -98,12 +98,14 @@
 #             (GF_MEM_FRACTION 0.8 for five or six servers at once);
 #             GF_BOUND_SERVER_ARGS: more server flags for every config
 #             (e.g. "--chunked-prefill-size 2048" for the gaps);
-#             GF_BOUND_CHECK=1: --check (the in-server exactness check,
-#             SGLANG_HISPARSE_CHECK=1, on ours-like configs: issue #16's
-#             exactness item on these workloads). The check compares
-#             every resolved row with its authoritative copy after each
-#             layer's swap-in, so a checked launch times nothing: run it
-#             apart from the timing rounds.
+#             GF_BOUND_EXTRA: more e2e_gpu.py flags, e.g. --check (the
+#             in-server exactness check on ours-like configs: issue #16's
+#             exactness item on these workloads; it compares every
+#             resolved row with its authoritative copy after each layer's
+#             swap-in, so a checked launch times nothing) or --step-timer
+#             (with STEPTIMER_SYNCS=1 exported: the stacks of the
+#             scheduler's synchronizing CUDA calls, in
+#             LOGS/steptimer_*/). Run either apart from the timing rounds.
 #             decodelong (4096 out, its own launch): a round of base,
 #             native, ours and noio should take ~240 s on 8 layers (base
 #             ~110 s of it, estimated from 2048 out), ~390 s at
@@ -857,13 +859,12 @@ bound_cmd() {
   # GF_BOUND_TOGETHER=1: every config's server starts at once (one start-up
   # for all), then the configs take turns, GF_BOUND_INNER rounds.
   [ "${GF_BOUND_TOGETHER:-0}" = 1 ] && together=(--together --inner-repeats "${GF_BOUND_INNER:-1}")
-  local check=(); [ "${GF_BOUND_CHECK:-0}" = 1 ] && check=(--check)
   # GF_MEM_FRACTION (0.6): four 8-layer servers at once hold ~5 GB of
   # weights each; --max-total-tokens caps every pool anyway.
   "${E2E[@]}" --model "$model" --configs "${GF_BOUND_CONFIGS:-base,native,ours,noio}" ${syn:+--synthetic "$syn"} \
     --workloads "${GF_BOUND_WORKLOADS:-decodebound,lone32k}" ${GF_BOUND_NEW:+--max-new "$GF_BOUND_NEW"} \
     --warmup 2 --server-args "--mem-fraction-static ${GF_MEM_FRACTION:-0.6} --cuda-graph-max-bs 16 ${GF_BOUND_SERVER_ARGS:-}" \
-    "${together[@]}" "${check[@]}" "${CPU_ARGS[@]}" --out "$RUN/bound.json" --logs "$RUN/bound"
+    "${together[@]}" ${GF_BOUND_EXTRA:-} "${CPU_ARGS[@]}" --out "$RUN/bound.json" --logs "$RUN/bound"
 }
 
 stream_cmd() {

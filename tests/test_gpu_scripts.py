@@ -1711,26 +1711,28 @@ def test_move_server_pins_every_thread_of_the_server_group():
         proc.wait()
 
 
-def test_bound_stage_adds_the_exactness_check_only_when_asked(tmp_path):
-    """gpu_stages.sh's bound_cmd: GF_BOUND_CHECK=1 passes --check to
-    e2e_gpu.py (issue #16's exactness item on the decode-bound workloads);
-    by default the stage times and checks nothing."""
+def test_bound_stage_passes_its_extra_flags_and_nothing_else(tmp_path):
+    """gpu_stages.sh's bound_cmd: GF_BOUND_EXTRA's flags reach e2e_gpu.py
+    (e.g. --check, issue #16's exactness item on the decode-bound
+    workloads, or --step-timer); without it the stage times and checks
+    nothing."""
     import subprocess
 
     function = stage_functions("v32_model", "bound_cmd")
     echoing_python3(tmp_path)  # model_config.py and e2e_gpu.py print their arguments
 
     def argv(**extra):
-        env = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "RUN": "/r", "WORK": "/w", **extra}
+        env = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "RUN": "/r", "WORK": "/w",
+               "GF_BOUND_WORKLOADS": "decodelong", "GF_BOUND_CONFIGS": "ours", **extra}
         script = function + 'E2E=(python3 scripts/e2e_gpu.py --port 1); CPU_ARGS=(--cpu-probe); bound_cmd'
         p = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, check=True)
         return p.stdout.split()
 
-    plain = argv(GF_BOUND_WORKLOADS="decodelong", GF_BOUND_CONFIGS="ours")
-    checked = argv(GF_BOUND_WORKLOADS="decodelong", GF_BOUND_CONFIGS="ours", GF_BOUND_CHECK="1")
-    assert "--check" not in plain
-    assert checked.count("--check") == 1
-    checked.remove("--check")
-    assert checked == plain  # nothing else changes
+    plain = argv()
+    assert "--check" not in plain and "--step-timer" not in plain
     assert plain[plain.index("--model") + 1] == "/w/dsv32-8"
     assert plain[plain.index("--workloads") + 1] == "decodelong"
+    for extra in (["--check"], ["--check", "--step-timer"]):
+        got = argv(GF_BOUND_EXTRA=" ".join(extra))
+        assert [a for a in got if a in extra] == extra
+        assert [a for a in got if a not in extra] == plain  # nothing else changes
