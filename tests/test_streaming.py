@@ -347,12 +347,16 @@ def _sent_tokens(sent):
     return events
 
 
+@pytest.mark.parametrize("interval", [None, 4])
 @pytest.mark.parametrize("streaming", ["1", "0"])
-def test_the_first_token_goes_out_when_the_request_joins(streaming):
+def test_the_first_token_goes_out_when_the_request_joins(streaming, interval):
     """Prefill's result streams while the request stages (outside the batch):
     with streaming on its first token is held, and the first decode step that
-    holds the request sends both tokens; a request that finished at prefill
-    still goes out at once. Off: 0.5.13's order, token by token."""
+    holds the request sends both tokens, also under a ``stream_interval`` of
+    4 (SGLang's own rule would send at 5 tokens; the request's interval is
+    its own again afterwards); a request that finished at prefill still goes
+    out at once. Off: 0.5.13's order, token by token (every 4th from the
+    first under the interval)."""
     from sglang_hisparse.adapter import metrics
 
     env = Env(phys=1024, ratio=8, streaming=streaming)
@@ -362,6 +366,7 @@ def test_the_first_token_goes_out_when_the_request_joins(streaming):
     for rid in ("a", "b"):
         req = make_req(rid, 300)
         req.stream = True
+        req.sampling_params.stream_interval = interval  # None: the server's (1)
         prefill(env.r2t, env.alloc, req, 300, pool=env.pool)
         env.coord.admit_request_into_staging(req)  # as 0.5.13's prefill result does
         req.output_ids.append(7)
@@ -382,9 +387,10 @@ def test_the_first_token_goes_out_when_the_request_joins(streaming):
         for r in reqs:
             r.output_ids.append(8)
         _stream(streamer, reqs)  # the decode batch's output
-    first_events = [[7, 8]] if streaming == "1" else [[7], [8]]
+    first_events = {"1": [[7, 8]], "0": [[7], [8]] if interval is None else [[7]]}[streaming]
     assert _sent_tokens(sent) == {"a": first_events, "b": first_events, "one-token": [[9]]}
     assert env.coord.streaming.first_tokens_held == (2 if streaming == "1" else 0)
+    assert [r.sampling_params.stream_interval for r in reqs] == [interval, interval]
     for r in reqs:
         env.finish(r)
     assert env.drained()

@@ -31,11 +31,13 @@ batch or waits outside it (staging, parked). Two rules, each needed:
   requests waiting for the whole queue, longer than before.
 
 * First token on joining: a request's first token (prefill emits it) is
-  sent when the request is in the decode batch, with its second, not when
-  prefill ends. The wait between the two (staging, parking: up to 194 ms,
-  47 x the median gap on 2026-12-06-s5) is then spent before the first
-  token, in time to first token, where a client already expects to wait,
-  rather than between two tokens. Only streamed requests that have sent
+  sent when the request is in the decode batch, with its second (whatever
+  the ``stream_interval``), not when prefill ends. The wait between the
+  two (staging, parking: up to 194 ms, 47 x the median gap on
+  2026-12-06-s5) is then spent before the first token, in time to first
+  token, where a client already expects to wait, rather than between two
+  tokens (2026-12-07-s4: the first gap's p50 27.8 ms, an ordinary
+  prefill-lengthened gap). Only streamed requests that have sent
   nothing yet and wait outside the batch are held; a finished request (one
   output token, an abort) always goes out. The hook is an AROUND of
   ``SchedulerOutputStreamer.stream_output`` (``adapter/output_streamer.py``).
@@ -56,9 +58,14 @@ Switch: ``SGLANG_HISPARSE_STREAMING`` = ``0`` (default, off: 0.5.13's
 prefill-first order and parking's prefill-ahead), ``1`` (on, prefill
 batches of at most :data:`DEFAULT_PREFILL_TOKENS` while requests decode), or a
 positive multiple of 64 (on, with that many prefill tokens per batch while
-requests decode). Off by default until a GPU run has measured what it costs
-in batch size and throughput beside what it buys in inter-token gaps (the
-CPU timeline: 2 requests running instead of 5 while prompts wait). Colocated serving only: a PD decode node prefills nothing.
+requests decode). Off by default: what it buys does not yet reach the
+targets, and it costs throughput. On 8 layers of DeepSeek-V3.2's geometry
+(16 x 32K x 2048, one H100, 2026-12-07-s4) it ran 10 requests instead of
+16, at 0.68x the output tok/s, for a worst gap of 22.2 x the request's
+median instead of 2123.6 x; its p99 gap, 4.80 x TPOT, misses the 3 x target
+at the 1024-token cap (a prefill batch then costs ~6 decode steps;
+docs/gpu-runs/2026-12-07-s4 has the bound). Colocated serving only: a PD
+decode node prefills nothing.
 
 The seam is ``Scheduler.get_new_batch_prefill`` (an AROUND hook in
 ``adapter/scheduler.py``): :meth:`Streaming.plan` decides from the
@@ -111,6 +118,13 @@ class PrefillPlan(NamedTuple):
 _UNCHANGED = PrefillPlan(True, True, None)
 
 
+class StreamOutputs(NamedTuple):
+    """What one ``stream_output`` call passes on to SGLang."""
+
+    reqs: list  # the requests to stream (the call's own list when none waits)
+    first_due: list  # among them, those whose held first token goes out now
+
+
 class Streaming:
     def __init__(self, prefill_tokens: Optional[int]):
         """``prefill_tokens``: the cap (see :func:`parse`); None: off."""
@@ -140,21 +154,28 @@ class Streaming:
         """What the call the plan was for returned (None: no prefill batch)."""
         self._prefill_ran = batch is not None
 
-    def outputs_to_send(self, reqs):
+    def outputs_to_send(self, reqs) -> StreamOutputs:
         """``reqs`` less the requests whose first token waits for them to join
-        the decode batch (the list itself when none does)."""
+        the decode batch, and the requests whose held first token is due:
+        they have sent nothing, decode in the batch and hold more than that
+        token. SGLang's interval rule would send those at its next multiple
+        (``len(output_ids) % k == 1`` for ``stream_interval`` k > 1: at
+        k + 1 tokens), so the caller sends them now."""
         if not self.enabled:
-            return reqs
-        # One pass: this runs on every output of every decode step.
-        sent = [r for r in reqs if not _first_token_waits(r)]
+            return StreamOutputs(reqs, [])
+        # One pass: this runs on every output of every decode step; after its
+        # first event a request stops at ``send_token_offset`` (tokens already
+        # sent). ``hisparse_staging``: the request table keeps it equal to
+        # "outside the batch" (engine/state.py).
+        sent, due = [], []
+        for r in reqs:
+            if r.stream and r.send_token_offset == 0 and not r.finished():
+                if r.hisparse_staging:
+                    continue  # outside the batch: its first token waits
+                if len(r.output_ids) > 1:
+                    due.append(r)
+            sent.append(r)
         if len(sent) == len(reqs):
-            return reqs
+            return StreamOutputs(reqs, due)
         self.first_tokens_held += len(reqs) - len(sent)
-        return sent
-
-
-def _first_token_waits(req) -> bool:
-    # ``hisparse_staging``: the request table keeps it equal to "outside the
-    # batch" (engine/state.py); ``send_token_offset``: tokens already sent.
-    return (req.stream and req.send_token_offset == 0 and req.hisparse_staging
-            and not req.finished())
+        return StreamOutputs(sent, due)
