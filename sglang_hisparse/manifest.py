@@ -1375,8 +1375,9 @@ DEPENDS: tuple[Entry, ...] = (
     ),
     _depends(
         f"{_BRP}.process_batch_result_decode",
-        "frees of a decode step run between allocator free_group_begin/end",
-        (f"{_ALLOC}.free",),
+        "frees of a decode step run between allocator free_group_begin/end, and the "
+        "group ends after stream_output (a hot buffer's release waits for the end)",
+        (f"{_ALLOC}.free", f"{_ALLOC}.release_after_group"),
     ),
     _depends(
         f"{_BRP}._handle_finish_state_updated_req",

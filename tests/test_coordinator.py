@@ -118,6 +118,30 @@ def test_staging_to_hot_buffer_and_finish():
     assert env.drained()
 
 
+def test_a_finish_inside_sglangs_free_group_releases_rows_when_the_group_ends():
+    """0.5.13 frees a decode step's finished requests in a free group that
+    ends after the step's tokens are streamed. A hot-buffer request that
+    finishes inside the group leaves the batch at once, but its rows and host
+    rows (whose free syncs the device) come back when the group ends, with
+    SGLang's own frees; outside a group, at once (``Env.finish``)."""
+    env = Env()
+    req = env.staged("long", 300)
+    other = env.staged("other", 300)
+    assert env.coord.collect_ready_reqs() == [req, other]
+    held = env.counts()
+    env.alloc.free_group_begin()  # process_batch_result_decode
+    env.coord.request_finished(req)
+    release(env.r2t, env.alloc, req)  # SGLang's release_kv_cache, into the group
+    assert env.coord.live_request_slots() == [other.req_pool_idx]
+    assert env.coord.state_of(req) is None
+    assert env.counts() == {**held, "req": held["req"] + 1}  # only SGLang's request slot is back
+    env.alloc.free_group_end()  # after stream_output
+    assert env.counts()["physical"] == held["physical"] + HOT + PS
+    assert env.counts()["host"] > held["host"]
+    env.finish(other)
+    assert env.drained()
+
+
 def test_decode_write_through_growth_and_swap_in():
     env = Env()
     a = env.staged("a", 300)

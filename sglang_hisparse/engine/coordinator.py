@@ -1009,12 +1009,26 @@ class Coordinator:
         else:  # HOT, HOT_JOINING
             self.streams.before_release()
             cap = int(self.req_device_buffer_size[idx])
-            if cap:
-                rows = self.req_to_device_buffer[idx, :cap]
-                self.token_to_kv_pool_allocator.free_hisparse_indices(torch.unique(rows[rows > 0]))
-            # The hot buffer's rows are freed above; drop the mapping to them.
+            rows = self.req_to_device_buffer[idx, :cap].clone() if cap else None
+            # The hot buffer's rows are freed below; drop the mapping to them.
             fill_at(self._mapping(), self._logical_ids(idx, self.kv_allocated_len(req)), 0)
+            self.requests.release(req)
+            # Freeing the rows and the host rows syncs the device: inside
+            # SGLang's free group (a decode step's finishes) it waits until
+            # the step's tokens are out. Until then nothing reaches the slot
+            # or the rows: the request is no longer held, and SGLang hands
+            # its slot out again only when it forms the next batch.
+            self.token_to_kv_pool_allocator.release_after_group(
+                lambda: self._release_hot_buffer(idx, rows))
+            return
         self.requests.release(req)
+        self._reset_slot(idx)
+
+    def _release_hot_buffer(self, idx: int, rows: Optional[torch.Tensor]) -> None:
+        """A finished hot-buffer request's rows and slot (its request table
+        entry and mapping are gone already)."""
+        if rows is not None:
+            self.token_to_kv_pool_allocator.free_hisparse_indices(torch.unique(rows[rows > 0]))
         self._reset_slot(idx)
 
     def live_request_slots(self) -> List[int]:
