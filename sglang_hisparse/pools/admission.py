@@ -323,9 +323,11 @@ class HostBackedAdmission(BaseTokenToKVPoolAllocator):
         the device sync of its free (``torch.unique``) waits for the batch in
         flight only after the tokens are out. Freeing a hot buffer's rows and
         a request's host rows syncs too (boolean masks on the device). Run
-        when the request finishes, inside the group, that sync held the
+        when the request finishes, inside the group, that sync holds the
         step's tokens until the next batch (a prefill batch, with streaming
-        on) had run: ~15 ms more on the gap at each finish on 2026-12-07-s4.
+        on) has run: the likely cause of the ~15 ms more on the gap at each
+        finish on 2026-12-07-s4 (the gap ends with the finishing request's
+        last token), not yet measured with this change.
         """
         if self.is_not_in_free_group:
             release()
