@@ -67,7 +67,7 @@ decode check included (for side by side runs).
 from __future__ import annotations
 
 import os
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional
 
 HOST_GROWTH_ENV = "SGLANG_HISPARSE_HOST_GROWTH"
 
@@ -87,16 +87,36 @@ def _growth_allocator(owner):
     return alloc
 
 
-def _sides(adder) -> Optional[Tuple[int, int]]:
-    """``(host side, device side)`` of the adder's allocator, or None where
-    the growth stays where SGLang puts it."""
+class _AdderSides(NamedTuple):
+    logical: int  # L: the host side
+    physical: int  # P: the device side
+    credit: float  # what moving the running requests' growth G off the device side gives back
+
+
+def _sides(adder) -> Optional[_AdderSides]:
+    """``L``, ``P`` and the growth credit of the adder's allocator, or None
+    where the growth stays where SGLang puts it."""
     alloc = _growth_allocator(adder)
     if alloc is None:
         return None
     logical, physical = alloc.budgets()
     if logical is None:
         return None
-    return logical, physical
+    return _AdderSides(logical, physical, device_growth_credit(logical, physical, _running_growth(adder)))
+
+
+_UNSEEN = object()
+
+
+def _adder_sides(adder) -> Optional[_AdderSides]:
+    """:func:`_sides`, worked out at the adder's first question and kept on
+    it. No row is allocated while an adder lives and its running batch does
+    not change, so none of them moves; each prompt tried would otherwise
+    walk the live requests again (``budgets()``, ``G``)."""
+    sides = getattr(adder, "_hisparse_sides", _UNSEEN)
+    if sides is _UNSEEN:
+        sides = adder._hisparse_sides = _sides(adder)
+    return sides
 
 
 def device_growth_credit(logical: int, physical: int, growth: float) -> float:
@@ -111,10 +131,9 @@ def adder_init_growth_on_host(result, self, *args, **kwargs):
     running = self.running_batch
     if running is None or not running.reqs:
         return result  # no growth to move: skip the budgets' walk of live requests
-    sides = _sides(self)
-    if sides is None:
-        return result
-    self.rem_total_token_offset -= device_growth_credit(*sides, _running_growth(self))
+    sides = _adder_sides(self)
+    if sides is not None:
+        self.rem_total_token_offset -= sides.credit
     return result
 
 
@@ -133,19 +152,19 @@ def adder_add_one_req(original, self, req, *args, **kwargs):
     the host side, and without it against the device rows left by this
     batch's prompts. ``ignore_eos`` prompts go through SGLang's dispatch to
     ``add_one_req_ignore_eos`` (hooked below) unchanged."""
-    sides = _sides(self)
+    sides = _adder_sides(self)
     if sides is None or (req.sampling_params.ignore_eos and getattr(self.tree_cache, "disable", True)):
         return original(self, req, *args, **kwargs)
     from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
 
-    logical, physical = sides
+    logical, physical, growth_credit = sides
     # The original's own charge for the output (0.5.13 to 0.5.17).
     max_new = min(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
     # rem_total_tokens is min(L - G - rest, P - rest) after the __init__
     # hook (the offset holds G + rest less that hook's credit); the check
     # below wants the device side with no output in it but this prompt's,
     # which the original adds to the prompt it compares.
-    host_left = logical - self.rem_total_token_offset - device_growth_credit(logical, physical, _running_growth(self))
+    host_left = logical - self.rem_total_token_offset - growth_credit
     device_left = physical - self.cur_rem_token_offset + max_new
     credit = max(0, min(host_left, device_left) - (min(logical, physical) - self.rem_total_token_offset))
     self.rem_total_token_offset -= credit
@@ -159,7 +178,7 @@ def adder_add_one_req_ignore_eos(original, self, req, *args, **kwargs):
     """AROUND ``PrefillAdder.add_one_req_ignore_eos`` (0.5.13
     ``schedule_policy.py:757``): the prompt must fit both sides; the
     run-to-the-end simulation then sees the host side only."""
-    sides = _sides(self)
+    sides = _adder_sides(self)
     if sides is None:
         return original(self, req, *args, **kwargs)
     from sglang.srt.managers.schedule_policy import AddReqResult
@@ -169,8 +188,7 @@ def adder_add_one_req_ignore_eos(original, self, req, *args, **kwargs):
     paged = self.ceil_paged_tokens(len(req.full_untruncated_fill_ids) - len(req.prefix_indices))
     if paged > min(self.cur_rem_tokens, self.rem_total_tokens):
         return AddReqResult.NO_TOKEN
-    logical, physical = sides
-    host_view = max(0, logical - physical)  # L in place of min(L, P)
+    host_view = max(0, sides.logical - sides.physical)  # L in place of min(L, P)
     self.cur_rem_token_offset -= host_view
     try:
         return original(self, req, *args, **kwargs)
