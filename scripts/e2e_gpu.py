@@ -23,6 +23,10 @@ Configurations:
           prefill batches and a later first token)
   nostream ours with SGLANG_HISPARSE_STREAMING=0 set explicitly (0.5.13's
           prefill-first order, today's default)
+  hold    ours with SGLANG_HISPARSE_STREAMING=hold: 0.5.13's prefill-first
+          order, a streamed first token sent with the second (at the
+          request's first decode step); beside ours it shows what moving a
+          burst's wait into time to first token does to the gaps
   noio    ours with SGLANG_HISPARSE_SKIP_IO=1 (swap-in copies skipped: outputs
           invalid, timing valid; "ours / noio" is what host IO costs)
   sync    ours with SGLANG_HISPARSE_INDEXSHARE_PREFETCH=0: on a model with
@@ -287,8 +291,8 @@ WORKLOADS = {
 # of a launch is the workload's flags and this).
 WORKLOAD_ENV = {"drain": {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "20"}}
 
-CONFIGS = ("base", "native", "ours", "nopark", "stream", "stream512", "nostream", "noio", "sync", "warp", "prio16",
-           "prio0", "nograph",
+CONFIGS = ("base", "native", "ours", "nopark", "stream", "stream512", "hold", "nostream", "noio", "sync", "warp",
+           "prio16", "prio0", "nograph",
            "nores", "devgrowth", "stock", "ref", "plain", "base2", "bare")
 # Configurations launched without --enable-hisparse.
 WITHOUT_HISPARSE_FLAG = ("base", "base2", "plain", "bare")
@@ -298,13 +302,13 @@ NO_HISPARSE = WITHOUT_HISPARSE_FLAG + ("stock",)
 # Configurations whose server runs this work tree's data plane, and what
 # --check must find in them: noio skips the host copies, a planted fault.
 CHECK_EXPECT = {"ours": "exact", "nopark": "exact", "stream": "exact", "stream512": "exact",
-                "nostream": "exact", "sync": "exact", "warp": "exact", "prio16": "exact", "prio0": "exact",
+                "hold": "exact", "nostream": "exact", "sync": "exact", "warp": "exact", "prio16": "exact", "prio0": "exact",
                 "nograph": "exact", "nores": "exact", "devgrowth": "exact", "noio": "mismatch"}
 CHECK_ENV = "SGLANG_HISPARSE_CHECK"
 SYNTHETIC_ENV = "SGLANG_HISPARSE_SYNTHETIC_TOPK"
 # Where --synthetic reaches: this work tree's data plane, and SGLang's own
 # through the plugin's native-mode hook (adapter/native.py).
-SYNTHETIC_CONFIGS = ("ours", "nopark", "stream", "stream512", "nostream", "noio", "sync", "warp", "prio16", "prio0",
+SYNTHETIC_CONFIGS = ("ours", "nopark", "stream", "stream512", "hold", "nostream", "noio", "sync", "warp", "prio16", "prio0",
                      "nores", "devgrowth", "nograph", "native")
 # The IndexShare prefetch configurations, each compared with sync and noio.
 PREFETCH_CONFIGS = ("ours", "warp", "prio16", "prio0")
@@ -448,6 +452,8 @@ def server_cmd(model: str, port: int, config: str, extra: list[str],
         env["SGLANG_HISPARSE_STREAMING"] = "1"
     if config == "stream512":
         env["SGLANG_HISPARSE_STREAMING"] = "512"
+    if config == "hold":
+        env["SGLANG_HISPARSE_STREAMING"] = "hold"
     if config == "sync":
         env["SGLANG_HISPARSE_INDEXSHARE_PREFETCH"] = "0"
     if config == "warp":
@@ -695,6 +701,7 @@ def stream_generate(url: str, ids: list[int], max_new: int, timeout: float = 600
     mi = last.get("meta_info") or {}
     out = {
         "prompt_len": len(ids),
+        "t0": t0,  # wall clock at the send (a step timer's timeline shares it)
         "output_ids": output_ids,
         "logprobs": [x[0] for x in token_logprobs],
         "top2": [[t[0] for t in step[:2]] if step else [] for step in top],
@@ -1850,7 +1857,7 @@ def merge(args) -> int:
                 results.setdefault(cfg, {}).setdefault(w, []).extend(runs)
         launches += [dict(x, source=str(path)) for x in data.get("launches", [])]
     order = [c for c in ("base", "native", "ref", "ours", "warp", "prio16", "prio0", "sync", "nograph", "nores",
-                         "devgrowth", "nopark", "stream", "stream512", "nostream", "noio", "stock") if c in results]
+                         "devgrowth", "nopark", "stream", "stream512", "hold", "nostream", "noio", "stock") if c in results]
     configs = order + [c for c in results if c not in order]
     workloads = sorted({w for by_w in results.values() for w in by_w})
     for c in configs:

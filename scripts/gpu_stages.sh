@@ -105,7 +105,10 @@
 #             swap-in, so a checked launch times nothing) or --step-timer
 #             (with STEPTIMER_SYNCS=1 exported: the stacks of the
 #             scheduler's synchronizing CUDA calls, in
-#             LOGS/steptimer_*/). Run either apart from the timing rounds.
+#             LOGS/steptimer_*/; with STEPTIMER_TIMELINE=1: each batch,
+#             stream_output and join stamped, timeline_*.jsonl there, to
+#             read against the client's stamps). Run either apart from the
+#             timing rounds.
 #             decodelong (4096 out, its own launch): a round of base,
 #             native, ours and noio should take ~240 s on 8 layers (base
 #             ~110 s of it, estimated from 2048 out), ~390 s at

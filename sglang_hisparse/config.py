@@ -216,8 +216,9 @@ PREFETCH_GRID_ENV = "SGLANG_HISPARSE_PREFETCH_GRID"
 # says why); "0" leaves it at the forward's.
 PREFETCH_PRIORITY_ENV = "SGLANG_HISPARSE_PREFETCH_PRIORITY"
 # coordinator: "0" (default) keeps streaming off (0.5.13's prefill-first
-# order), "1" or a token cap turns it on (engine/policies/streaming.py; its
-# values are checked by that module's parse).
+# order), "hold" keeps that order and sends a streamed first token with the
+# second, "1" or a token cap turns the interleave on (with the hold)
+# (engine/policies/streaming.py; its values are checked by that module's parse).
 STREAMING_ENV = "SGLANG_HISPARSE_STREAMING"
 HOST_ALLOC_MODES = ("cuda_host_alloc", "registered", "registered_thp")
 ENV_SWITCHES = {

@@ -144,6 +144,83 @@ def test_step_timer_plugin_times_and_stays_off_without_its_variable(monkeypatch,
     assert "[sglang.srt.plugins]" in meta and "hisparse_steptimer:register" in meta
 
 
+def test_step_timer_timeline_records_batches_and_never_raises(monkeypatch, tmp_path):
+    """STEPTIMER_TIMELINE: each call becomes [what, start, end, detail] with
+    wall-clock stamps (the client's share them); a scheduled batch's detail
+    is its mode, size and finished count; a detail that fails is recorded,
+    not raised; the dump appends only what is new."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+    from dataplane_fixtures import make_req
+
+    timer = _load_step_timer()
+    monkeypatch.setattr(timer, "_timeline", [])
+    a, b = make_req("a", 64), make_req("b", 64)
+    b.sampling_params.max_new_tokens = 1
+    b.output_ids.append(5)
+    b.update_finish_state()
+    batch = ScheduleBatch(reqs=[a, b])
+
+    class Owner:
+        def process(self, batch, result):
+            return result
+
+    process = timer._traced("process", Owner.process, lambda bt, r: timer._batch_detail(bt))
+    t = timer.time.time()
+    assert process(Owner(), batch, "r") == "r"
+    assert process(Owner(), batch=None, result="k") == "k"  # keywords: the first is the batch
+    broken = timer._traced("join", lambda: [1], lambda _, r: r.missing)
+    assert broken() == [1]
+    [(w1, s1, e1, d1), (_, _, _, d2), (w3, _, _, d3)] = timer._timeline
+    assert (w1, d1[1:], d2, w3, d3) == ("process", [2, 1], [None, 0, 0], "join", ["AttributeError"])
+    assert t <= s1 <= e1 <= timer.time.time()
+    lines = tmp_path / "timeline.jsonl"
+
+    class Stop(Exception):
+        pass
+
+    def sleep(_):
+        if lines.exists():  # one dump done
+            raise Stop
+
+    monkeypatch.setattr(timer.time, "sleep", sleep)
+    with pytest.raises(Stop):
+        timer._dump_forever(str(tmp_path / "st.json"), str(lines))
+    assert [json.loads(x)[0] for x in lines.read_text().splitlines()] == ["process", "process", "join"]
+    assert timer._timeline == []
+
+
+def test_gap_timeline_reads_the_longest_gap_against_the_schedulers_sends(tmp_path):
+    """A client gap of 40 ms whose tokens the scheduler sent 10 ms apart
+    (the rest grew after the send) is listed first, with the scheduler's
+    spacing and the slow process call inside it; short events are left out;
+    both stamp formats load."""
+    import lzma
+
+    gt = _load("gap_timeline", SCRIPTS / "gap_timeline.py")
+    t0 = 1000.0
+    steady = {"t0": t0, "ttft": 1.0, "gaps_ms": [4.0] * 20}
+    late = {"t0": t0, "ttft": 1.0, "gaps_ms": [4.0] * 10 + [40.0] + [4.0] * 9}
+    # the scheduler streams every 4 ms, once 10 ms apart, just before late's gap
+    sends, t = [], t0 + 1.0 - 0.001
+    for k in range(21):
+        t += 0.010 if k == 10 else 0.004
+        sends.append(["stream", t - 0.0005, t, [2]])
+    timeline = sends + [["process", t0 + 1.036, t0 + 1.045, ["DECODE", 2, 1]],
+                        ["run", t0 + 1.030, t0 + 1.032, ["DECODE", 2, 0]]]
+    lines = gt.report([steady, late], sorted(timeline, key=lambda e: e[1]), top=2, min_ms=5.0)
+    assert lines[0].startswith("req  1 token    11") and "gap    40.0 ms (  10.0x" in lines[0]
+    assert "longest spacing 10.0 ms" in lines[0]
+    assert [x.split()[0] for x in lines[1:3]] == ["process", "req"]  # the 2 ms run is left out
+    (tmp_path / "stamps.json.xz").write_bytes(lzma.compress(json.dumps({"hold": [late]}).encode()))
+    assert gt.load_requests(str(tmp_path / "stamps.json.xz"), "hold") == [late]
+    bound = {"runs": {"ours": {"decodebound": [{"requests": [steady]}]}}}
+    (tmp_path / "bound.json").write_text(json.dumps(bound))
+    assert gt.load_requests(str(tmp_path / "bound.json"), "ours") == [steady]
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(e) + "\n" for e in reversed(timeline)))
+    assert gt.load_timeline(str(tmp_path / "t.jsonl"))[0] == sends[0]
+
+
 def _spin(n):
     total = 0
     for i in range(n):  # own time, not a builtin's
@@ -900,6 +977,9 @@ def test_stream_configs_set_the_streaming_switch(monkeypatch):
     args, env = e2e.server_cmd("/m", 1, "stream512", [])
     assert env["SGLANG_HISPARSE_STREAMING"] == "512" and "--enable-hisparse" in args
     assert e2e.CHECK_EXPECT["stream512"] == "exact"
+    args, env = e2e.server_cmd("/m", 1, "hold", [])
+    assert env["SGLANG_HISPARSE_STREAMING"] == "hold" and "--enable-hisparse" in args
+    assert e2e.CHECK_EXPECT["hold"] == "exact" and "hold" in e2e.SYNTHETIC_CONFIGS
     _, env = e2e.server_cmd("/m", 1, "ours", [])
     assert "SGLANG_HISPARSE_STREAMING" not in env  # ours: the default, off
     assert e2e.CHECK_EXPECT["stream"] == e2e.CHECK_EXPECT["nostream"] == "exact"

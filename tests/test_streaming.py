@@ -21,11 +21,12 @@ from sglang_hisparse.engine.policies.streaming import DEFAULT_PREFILL_TOKENS, pa
 
 
 def test_the_switch_values():
-    assert parse("1", STREAMING_ENV) == DEFAULT_PREFILL_TOKENS
-    assert parse(None, STREAMING_ENV) is parse("0", STREAMING_ENV) is None  # off by default
-    assert parse("512", STREAMING_ENV) == 512
-    for bad in ("on", "-64", "100", "0.5", ""):
-        with pytest.raises(ValueError, match=rf"{STREAMING_ENV}=.*allowed: 0 \(off, the default\), 1"):
+    assert parse("1", STREAMING_ENV) == (DEFAULT_PREFILL_TOKENS, True)
+    assert parse(None, STREAMING_ENV) == parse("0", STREAMING_ENV) == (None, False)  # off by default
+    assert parse("hold", STREAMING_ENV) == (None, True)  # 0.5.13's order, first token held
+    assert parse("512", STREAMING_ENV) == (512, True)
+    for bad in ("on", "-64", "100", "0.5", "", "HOLD"):
+        with pytest.raises(ValueError, match=rf"{STREAMING_ENV}=.*allowed: 0 \(off, the default\), hold"):
             parse(bad, STREAMING_ENV)
     # checked with the server arguments, before any weights load
     assert env_problems({STREAMING_ENV: "100"}) and not env_problems({STREAMING_ENV: "2048"})
@@ -132,8 +133,10 @@ def test_no_new_prompt_while_a_streamed_request_is_parked():
     assert env.drained()
 
 
-def test_off_leaves_sglang_alone():
-    env = Env(streaming="0")
+@pytest.mark.parametrize("streaming", ["0", "hold"])
+def test_off_leaves_sglang_alone(streaming):
+    """Off, and the hold alone: 0.5.13's prefill order, untouched."""
+    env = Env(streaming=streaming)
     s = _scheduler(env, running=[make_req("decoding", 100)])
     orig = Original()
     for _ in range(3):
@@ -348,15 +351,15 @@ def _sent_tokens(sent):
 
 
 @pytest.mark.parametrize("interval", [None, 4])
-@pytest.mark.parametrize("streaming", ["1", "0"])
-def test_the_first_token_goes_out_when_the_request_joins(streaming, interval):
+@pytest.mark.parametrize("streaming", ["1", "hold", "0"])
+def test_the_first_token_goes_out_when_the_request_decodes(streaming, interval):
     """Prefill's result streams while the request stages (outside the batch):
-    with streaming on its first token is held, and the first decode step that
-    holds the request sends both tokens, also under a ``stream_interval`` of
-    4 (SGLang's own rule would send at 5 tokens; the request's interval is
-    its own again afterwards); a request that finished at prefill still goes
-    out at once. Off: 0.5.13's order, token by token (every 4th from the
-    first under the interval)."""
+    with the hold on (the interleave's, or alone) its first token is held,
+    and the first decode step that holds the request sends both tokens, also
+    under a ``stream_interval`` of 4 (SGLang's own rule would send at 5
+    tokens; the request's interval is its own again afterwards); a request
+    that finished at prefill still goes out at once. Off: 0.5.13's order,
+    token by token (every 4th from the first under the interval)."""
     from sglang_hisparse.adapter import metrics
 
     env = Env(phys=1024, ratio=8, streaming=streaming)
@@ -380,17 +383,46 @@ def test_the_first_token_goes_out_when_the_request_joins(streaming, interval):
     with sglang_server_args():
         _stream(streamer, reqs + [done])  # the prefill batch's output
         assert all(r.hisparse_staging for r in reqs)
-        held = {"1": {"one-token": [[9]]}, "0": {"a": [[7]], "b": [[7]], "one-token": [[9]]}}
+        held = {"1": {"one-token": [[9]]}, "hold": {"one-token": [[9]]},
+                "0": {"a": [[7]], "b": [[7]], "one-token": [[9]]}}
         assert _sent_tokens(sent) == held[streaming]
         assert env.coord.collect_ready_reqs() == reqs
         env.decode(reqs)
         for r in reqs:
             r.output_ids.append(8)
         _stream(streamer, reqs)  # the decode batch's output
-    first_events = {"1": [[7, 8]], "0": [[7], [8]] if interval is None else [[7]]}[streaming]
+    first_events = {"1": [[7, 8]], "hold": [[7, 8]],
+                    "0": [[7], [8]] if interval is None else [[7]]}[streaming]
     assert _sent_tokens(sent) == {"a": first_events, "b": first_events, "one-token": [[9]]}
-    assert env.coord.streaming.first_tokens_held == (2 if streaming == "1" else 0)
+    assert env.coord.streaming.first_tokens_held == (0 if streaming == "0" else 2)
     assert [r.sampling_params.stream_interval for r in reqs] == [interval, interval]
     for r in reqs:
         env.finish(r)
+    assert env.drained()
+
+
+def test_the_hold_keeps_a_first_token_until_the_request_decodes_in_the_batch():
+    """Under 0.5.13's prefill-first order a request that joined the batch at
+    once (resident: a short prompt) still waits while other prompts prefill;
+    with the hold its first token goes out with its second, not before."""
+    from sglang_hisparse.adapter import metrics
+
+    env = Env(phys=1024, ratio=8, streaming="hold")
+    metrics.register_coordinator(env.coord)
+    streamer, sent = _output_streamer()
+    req = make_req("short", 2 * PS)
+    req.stream = True
+    prefill(env.r2t, env.alloc, req, 2 * PS, pool=env.pool)
+    env.coord.admit_request_into_staging(req)
+    req.output_ids.append(7)
+    with sglang_server_args():
+        assert env.coord.collect_ready_reqs() == [req]  # in the batch, not decoded
+        assert not req.hisparse_staging
+        _stream(streamer, [req])  # the prefill batch's output
+        assert _sent_tokens(sent) == {}
+        env.decode([req])
+        req.output_ids.append(8)
+        _stream(streamer, [req])
+    assert _sent_tokens(sent) == {"short": [[7, 8]]}
+    env.finish(req)
     assert env.drained()

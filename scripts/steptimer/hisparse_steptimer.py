@@ -20,6 +20,15 @@ counted by the Python stack that made it; the dump gains ``syncs``: [count,
 [frame, ...]] per stack, most frequent first. A sync in the step's path
 stalls the CPU until the GPU catches up, which undoes the overlap scheduler.
 
+With STEPTIMER_TIMELINE=1 each scheduled batch's ``run_batch`` and
+``process_batch_result``, every ``stream_output`` call and every join
+(``collect_ready_reqs`` returning requests) is also appended to
+STEPTIMER_OUT/timeline_<pid>.jsonl as [what, start, end, detail] with
+``time.time()`` stamps, which the driver's client stamps share (same
+machine): a client's long gap can then be read against what the server did
+in it. Only the new entries are written, four times a second, so the dump
+holds the scheduler's GIL for no longer than a step's worth of lines.
+
 With STEPTIMER_PROFILE=1 the scheduler thread also runs under cProfile
 while it has batches to run, and STEPTIMER_OUT/profile_<pid>.prof (pstats
 format, with the batch count in profile_<pid>.prof.json) is rewritten every
@@ -68,6 +77,7 @@ COORDINATOR = ["map_last_loc_to_buffer", "collect_ready_reqs", "wait_for_pending
 
 _stats: dict = {}
 _syncs: dict = {}  # stack (tuple of "file:line:function") -> count
+_timeline: list = []  # [what, start, end, detail] not yet written
 _lock = threading.Lock()
 
 
@@ -89,16 +99,70 @@ def _timed(name, fn):
     return wrapper
 
 
-def _dump_forever(path: str) -> None:
+def _dump_forever(path: str, timeline_path=None) -> None:
     while True:
         time.sleep(0.25)
         with _lock:
             snap = {k: list(v) for k, v in _stats.items()}
             syncs = sorted(([n, list(st)] for st, n in _syncs.items()), reverse=True)
+            lines = _timeline[:]
+            del _timeline[:len(lines)]
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
             json.dump({"time": time.time(), "stats": snap, "syncs": syncs}, f)
         os.replace(tmp, path)
+        if timeline_path and lines:
+            with open(timeline_path, "a") as f:
+                f.writelines(json.dumps(x) + "\n" for x in lines)
+
+
+def _batch_detail(batch) -> list:
+    """[forward mode, requests, of them finished] of a scheduled batch."""
+    if batch is None:
+        return [None, 0, 0]
+    reqs = getattr(batch, "reqs", None) or []
+    mode = getattr(getattr(batch, "forward_mode", None), "name", None)
+    return [mode, len(reqs), sum(1 for r in reqs if r.finished())]
+
+
+def _traced(what, fn, detail):
+    """``fn`` with each call appended to the timeline (``detail(first
+    argument after self, result)`` says what the call did; None: leave the
+    call out). A detail that fails records the error's name, never raises."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        t0 = time.time()
+        result = fn(*args, **kwargs)
+        t1 = time.time()
+        try:
+            d = detail(args[1] if len(args) > 1 else next(iter(kwargs.values()), None), result)
+        except Exception as exc:  # a diagnostic must never take the server down
+            d = [type(exc).__name__]
+        if d is not None:
+            _timeline.append([what, t0, t1, d])
+        return result
+
+    return wrapper
+
+
+def _install_timeline(scheduler) -> None:
+    from sglang.srt.managers.scheduler import Scheduler
+
+    # (0.5.13: run_batch(self, batch), process_batch_result(self, batch, result))
+    Scheduler.run_batch = _traced("run", Scheduler.run_batch, lambda b, r: _batch_detail(b))
+    Scheduler.process_batch_result = _traced(
+        "process", Scheduler.process_batch_result, lambda b, r: _batch_detail(b))
+    try:
+        from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
+
+        SchedulerOutputStreamer.stream_output = _traced(
+            "stream", SchedulerOutputStreamer.stream_output, lambda reqs, r: [len(reqs)] if reqs else None)
+    except ImportError:
+        pass
+    coord = getattr(scheduler, "hisparse_coordinator", None)
+    if coord is not None and hasattr(coord, "collect_ready_reqs"):
+        coord.collect_ready_reqs = _traced(
+            "join", coord.collect_ready_reqs, lambda _, r: [len(r)] if r else None)
 
 
 def _install(scheduler) -> None:
@@ -117,7 +181,11 @@ def _install(scheduler) -> None:
                 setattr(coord, meth, _timed(f"coordinator.{meth}", getattr(coord, meth)))
     out = os.environ["STEPTIMER_OUT"]
     path = os.path.join(out, f"steptimer_{os.getpid()}.json")
-    threading.Thread(target=_dump_forever, args=(path,), daemon=True).start()
+    timeline_path = None
+    if os.environ.get("STEPTIMER_TIMELINE") == "1":
+        _install_timeline(scheduler)
+        timeline_path = os.path.join(out, f"timeline_{os.getpid()}.jsonl")
+    threading.Thread(target=_dump_forever, args=(path, timeline_path), daemon=True).start()
     if os.environ.get("STEPTIMER_PROFILE") == "1":
         _profile_scheduler_thread(os.path.join(out, f"profile_{os.getpid()}.prof"))
     if os.environ.get("STEPTIMER_SYNCS") == "1":

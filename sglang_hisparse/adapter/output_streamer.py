@@ -3,9 +3,9 @@
 Why. Prefill emits a request's first token, and 0.5.13 streams it at once.
 Under HiSparse the request then stages its KV to host and may park before it
 joins the decode batch; its client sees the first token, then waits (up to
-194 ms, 47 x its median gap, with streaming on, on 2026-12-06-s5). With
-streaming on (``SGLANG_HISPARSE_STREAMING``), the first token is sent with
-the second, once the request decodes in the batch
+194 ms, 47 x its median gap, with streaming on, on 2026-12-06-s5). With the
+hold on (``SGLANG_HISPARSE_STREAMING`` = ``hold``, ``1`` or a cap), the
+first token is sent with the second, once the request decodes in the batch
 (:meth:`~sglang_hisparse.engine.policies.streaming.Streaming.outputs_to_send`
 decides which requests wait and which are due). SGLang sends every token not
 yet sent (``send_token_offset``), so nothing is lost: the client's first

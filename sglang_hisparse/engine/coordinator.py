@@ -243,12 +243,12 @@ class Coordinator:
         self.residency = Residency(self, enabled=bool(residency) and not self.is_dsv4_hisparse)
         self.parking = Parking(self, enabled=bool(parking) and not self.is_dsv4_hisparse)
         self.retain = RetainOnRetract(self, enabled=bool(pd_decode))
-        # ``streaming``: the switch's value ("0", "1", a token cap); None: the
-        # environment's. A PD decode node prefills nothing.
+        # ``streaming``: the switch's value ("0", "hold", "1", a token cap);
+        # None: the environment's. A PD decode node prefills nothing.
         if streaming is None:
             streaming = os.environ.get(STREAMING_ENV)
-        cap = None if pd_decode else streaming_policy.parse(streaming, STREAMING_ENV)
-        self.streaming = streaming_policy.Streaming(cap)
+        mode = streaming_policy.OFF if pd_decode else streaming_policy.parse(streaming, STREAMING_ENV)
+        self.streaming = streaming_policy.Streaming(mode)
         self.pd_decode = bool(pd_decode)
         # PD decode admission holds back, in host rows, the tokens every
         # request on the node may still decode (max_new_tokens, clipped as

@@ -30,17 +30,21 @@ batch or waits outside it (staging, parked). Two rules, each needed:
   prompt starts only after that. Interleaving alone would leave parked
   requests waiting for the whole queue, longer than before.
 
-* First token on joining: a request's first token (prefill emits it) is
-  sent when the request is in the decode batch, with its second (whatever
-  the ``stream_interval``), not when prefill ends. The wait between the
-  two (staging, parking: up to 194 ms, 47 x the median gap on
-  2026-12-06-s5) is then spent before the first token, in time to first
-  token, where a client already expects to wait, rather than between two
-  tokens (2026-12-07-s4: the first gap's p50 27.8 ms, an ordinary
-  prefill-lengthened gap). Only streamed requests that have sent
-  nothing yet and wait outside the batch are held; a finished request (one
-  output token, an abort) always goes out. The hook is an AROUND of
-  ``SchedulerOutputStreamer.stream_output`` (``adapter/output_streamer.py``).
+* First token on decoding: a streamed request's first token (prefill
+  emits it) is sent with its second, at its first decode step (whatever the
+  ``stream_interval``), not when prefill ends. The wait between the two
+  (staging, parking, other prompts' prefill: up to 194 ms, 47 x the median
+  gap, with the interleave on 2026-12-06-s5) is then spent before the
+  first token, in time to first token, where a client already expects to
+  wait, rather than between two tokens (2026-12-07-s4: the first gap's p50
+  27.8 ms, an ordinary prefill-lengthened gap). Only streamed requests that
+  have sent nothing and hold only their prefill token are held; a finished
+  request (one output token, an abort) always goes out. The hook is an
+  AROUND of ``SchedulerOutputStreamer.stream_output``
+  (``adapter/output_streamer.py``). The hold also works alone, with
+  0.5.13's prefill-first order (``hold`` below): a burst of prompts is then
+  prefilled before any of them streams, so nobody who has a token waits
+  for the queue, and nothing else changes.
 
 The cost. Prefill no longer runs ahead of the decode batch: a prompt is
 admitted only beside the hot buffers already running, so while prompts
@@ -55,17 +59,24 @@ prompt could not join the batch soon (the rows-ahead test) still lets one
 whole prompt's chunks run back to back, ~70 decode steps for a 32K prompt.
 
 Switch: ``SGLANG_HISPARSE_STREAMING`` = ``0`` (default, off: 0.5.13's
-prefill-first order and parking's prefill-ahead), ``1`` (on, prefill
-batches of at most :data:`DEFAULT_PREFILL_TOKENS` while requests decode), or a
-positive multiple of 64 (on, with that many prefill tokens per batch while
-requests decode). Off by default: what it buys does not yet reach the
-targets, and it costs throughput. On 8 layers of DeepSeek-V3.2's geometry
-(16 x 32K x 2048, one H100, 2026-12-07-s4) it ran 10 requests instead of
+prefill-first order and parking's prefill-ahead, first tokens as 0.5.13
+sends them), ``hold`` (that order, the first token held until the request
+decodes), ``1`` (interleave, prefill batches of at most
+:data:`DEFAULT_PREFILL_TOKENS` while requests decode, with the hold), or a
+positive multiple of 64 (the same with that many prefill tokens per batch).
+Off by default: the hold moves a burst's wait into time to first token,
+which an operator measures against its own targets, and the interleave
+costs throughput. On 8 layers of DeepSeek-V3.2's geometry (16 x 32K x
+2048, one H100, 2026-12-07-s4) the interleave ran 10 requests instead of
 16, at 0.68x the output tok/s, for a worst gap of 22.2 x the request's
 median instead of 2123.6 x; its p99 gap, 4.80 x TPOT, misses the 3 x target
 at the 1024-token cap (a prefill batch then costs ~6 decode steps;
-docs/gpu-runs/2026-12-07-s4 has the bound). Colocated serving only: a PD
-decode node prefills nothing.
+docs/gpu-runs/2026-12-07-s4 has the bound). ``hold`` on the same
+workload (2026-12-07-s5): worst gap 19.7 x the median against 2116.5 x,
+p99 1.51 x TPOT, 16 running, 0.96x the output tok/s, the median time to
+first token 10.3 s against 5.2 s; its gaps over 10 x fall where 8 and 16
+requests finish in one step, after the scheduler has sent the tokens.
+Colocated serving only: a PD decode node prefills nothing.
 
 The seam is ``Scheduler.get_new_batch_prefill`` (an AROUND hook in
 ``adapter/scheduler.py``): :meth:`Streaming.plan` decides from the
@@ -89,14 +100,28 @@ DEFAULT_PREFILL_TOKENS = 1024
 _TOKEN_QUANTUM = 64
 
 
-def parse(value: Optional[str], name: str) -> Optional[int]:
-    """The prefill-token cap the switch asks for; None: streaming off (the
-    default). Raises ValueError naming the switch and the allowed values."""
+class StreamingMode(NamedTuple):
+    """What the switch asks for."""
+
+    prefill_tokens: Optional[int]  # the interleave's cap; None: 0.5.13's prefill-first order
+    hold_first_token: bool  # a streamed first token goes out with the second
+
+
+OFF = StreamingMode(None, False)
+HOLD = "hold"
+
+
+def parse(value: Optional[str], name: str) -> StreamingMode:
+    """The mode the switch asks for (:data:`OFF` when unset, the default).
+    Raises ValueError naming the switch and the allowed values."""
     if value is None or value == "0":
-        return None
+        return OFF
+    if value == HOLD:
+        return StreamingMode(None, True)
     if value == "1":
-        return DEFAULT_PREFILL_TOKENS
-    allowed = (f"allowed: 0 (off, the default), 1 (on, {DEFAULT_PREFILL_TOKENS} prefill tokens per batch "
+        return StreamingMode(DEFAULT_PREFILL_TOKENS, True)
+    allowed = (f"allowed: 0 (off, the default), {HOLD} (0.5.13's prefill order, the first token held "
+               f"until the request decodes), 1 (on, {DEFAULT_PREFILL_TOKENS} prefill tokens per batch "
                f"while requests decode), or a positive multiple of {_TOKEN_QUANTUM} (on, that cap)")
     try:
         tokens = int(value)
@@ -104,7 +129,7 @@ def parse(value: Optional[str], name: str) -> Optional[int]:
         raise ValueError(f"{name}={value!r} is not valid; {allowed}") from None
     if tokens <= 0 or tokens % _TOKEN_QUANTUM:
         raise ValueError(f"{name}={value!r} is not valid; {allowed}")
-    return tokens
+    return StreamingMode(tokens, True)
 
 
 class PrefillPlan(NamedTuple):
@@ -126,13 +151,16 @@ class StreamOutputs(NamedTuple):
 
 
 class Streaming:
-    def __init__(self, prefill_tokens: Optional[int]):
-        """``prefill_tokens``: the cap (see :func:`parse`); None: off."""
-        self.prefill_tokens = prefill_tokens
-        self.enabled = prefill_tokens is not None
+    def __init__(self, mode: StreamingMode = OFF):
+        """``mode``: see :func:`parse`."""
+        self.prefill_tokens = mode.prefill_tokens
+        # The interleave and first-token-first rules (the parking and
+        # get_new_batch_prefill hooks ask this); the hold is on with them.
+        self.enabled = mode.prefill_tokens is not None
+        self.holds_first_token = mode.hold_first_token
         self._prefill_ran = False  # the last call formed a prefill batch
         # Counters (tests, the decode log): decode turns forced, calls that
-        # kept new prompts out for parked requests.
+        # kept new prompts out for parked requests, first tokens held.
         self.decode_turns = 0
         self.prompts_held = 0
         self.first_tokens_held = 0
@@ -155,25 +183,24 @@ class Streaming:
         self._prefill_ran = batch is not None
 
     def outputs_to_send(self, reqs) -> StreamOutputs:
-        """``reqs`` less the requests whose first token waits for them to join
-        the decode batch, and the requests whose held first token is due:
-        they have sent nothing, decode in the batch and hold more than that
-        token. SGLang's interval rule would send those at its next multiple
-        (``len(output_ids) % k == 1`` for ``stream_interval`` k > 1: at
-        k + 1 tokens), so the caller sends them now."""
-        if not self.enabled:
+        """``reqs`` less the requests whose first token waits for their first
+        decode step, and the requests whose held first token is due: they
+        have sent nothing and hold more than that token. SGLang's interval
+        rule would send those at its next multiple (``len(output_ids) % k ==
+        1`` for ``stream_interval`` k > 1: at k + 1 tokens), so the caller
+        sends them now."""
+        if not self.holds_first_token:
             return StreamOutputs(reqs, [])
         # One pass: this runs on every output of every decode step; after its
         # first event a request stops at ``send_token_offset`` (tokens already
-        # sent). ``hisparse_staging``: the request table keeps it equal to
-        # "outside the batch" (engine/state.py).
+        # sent). A request that has only its prefill token has not decoded:
+        # it stages, parks, or waits in a batch that prefills first.
         sent, due = [], []
         for r in reqs:
             if r.stream and r.send_token_offset == 0 and not r.finished():
-                if r.hisparse_staging:
-                    continue  # outside the batch: its first token waits
-                if len(r.output_ids) > 1:
-                    due.append(r)
+                if len(r.output_ids) <= 1:
+                    continue  # not decoded yet: its first token waits
+                due.append(r)
             sent.append(r)
         if len(sent) == len(reqs):
             return StreamOutputs(reqs, due)
