@@ -169,10 +169,12 @@ def test_step_timer_timeline_records_batches_and_never_raises(monkeypatch, tmp_p
     t = timer.time.time()
     assert process(Owner(), batch, "r") == "r"
     assert process(Owner(), batch=None, result="k") == "k"  # keywords: the first is the batch
-    broken = timer._traced("join", lambda: [1], lambda _, r: r.missing)
+    broken = timer._traced("join", lambda: [1], lambda _, r: r.missing, bound=True)
     assert broken() == [1]
-    [(w1, s1, e1, d1), (_, _, _, d2), (w3, _, _, d3)] = timer._timeline
-    assert (w1, d1[1:], d2, w3, d3) == ("process", [2, 1], [None, 0, 0], "join", ["AttributeError"])
+    stage = timer._traced("stage", lambda req: None, lambda req, r: [req.rid], bound=True)
+    stage(a)  # a bound method's first argument is the request
+    [(w1, s1, e1, d1), (_, _, _, d2), (w3, _, _, d3), (_, _, _, d4)] = timer._timeline
+    assert (w1, d1[1:], d2, w3, d3, d4) == ("process", [2, 1], [None, 0, 0], "join", ["AttributeError"], ["a"])
     assert t <= s1 <= e1 <= timer.time.time()
     lines = tmp_path / "timeline.jsonl"
 
@@ -186,8 +188,30 @@ def test_step_timer_timeline_records_batches_and_never_raises(monkeypatch, tmp_p
     monkeypatch.setattr(timer.time, "sleep", sleep)
     with pytest.raises(Stop):
         timer._dump_forever(str(tmp_path / "st.json"), str(lines))
-    assert [json.loads(x)[0] for x in lines.read_text().splitlines()] == ["process", "process", "join"]
+    assert [json.loads(x)[0] for x in lines.read_text().splitlines()] == ["process", "process", "join", "stage"]
     assert timer._timeline == []
+
+
+def test_step_timer_timeline_wraps_what_it_names_on_the_real_classes(monkeypatch):
+    """Every seam the timeline names exists: SGLang's scheduler and output
+    streamer methods, and the coordinator's join, staging and finish (a
+    renamed one would drop out of the timeline without a word)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
+
+    from test_coordinator import Env
+
+    timer = _load_step_timer()
+    for owner, name in ((Scheduler, "run_batch"), (Scheduler, "process_batch_result"),
+                        (SchedulerOutputStreamer, "stream_output")):
+        monkeypatch.setattr(owner, name, getattr(owner, name))  # restored after the test
+    coord = Env().coord
+    timer._install_timeline(SimpleNamespace(hisparse_coordinator=coord))
+    wrapped = [Scheduler.run_batch, Scheduler.process_batch_result, SchedulerOutputStreamer.stream_output,
+               coord.collect_ready_reqs, coord.admit_request_into_staging, coord.request_finished]
+    assert all(hasattr(f, "__wrapped__") for f in wrapped)
 
 
 def test_gap_timeline_reads_the_longest_gap_against_the_schedulers_sends(tmp_path):

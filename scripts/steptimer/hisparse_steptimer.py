@@ -21,8 +21,9 @@ counted by the Python stack that made it; the dump gains ``syncs``: [count,
 stalls the CPU until the GPU catches up, which undoes the overlap scheduler.
 
 With STEPTIMER_TIMELINE=1 each scheduled batch's ``run_batch`` and
-``process_batch_result``, every ``stream_output`` call and every join
-(``collect_ready_reqs`` returning requests) is also appended to
+``process_batch_result``, every ``stream_output`` call, every join
+(``collect_ready_reqs`` returning requests), every prefill's hand-over to
+staging and every finish (the coordinator's) is also appended to
 STEPTIMER_OUT/timeline_<pid>.jsonl as [what, start, end, detail] with
 ``time.time()`` stamps, which the driver's client stamps share (same
 machine): a client's long gap can then be read against what the server did
@@ -125,17 +126,21 @@ def _batch_detail(batch) -> list:
     return [mode, len(reqs), sum(1 for r in reqs if r.finished())]
 
 
-def _traced(what, fn, detail):
+def _traced(what, fn, detail, bound=False):
     """``fn`` with each call appended to the timeline (``detail(first
-    argument after self, result)`` says what the call did; None: leave the
-    call out). A detail that fails records the error's name, never raises."""
+    argument, result)`` says what the call did; None: leave the call out).
+    The first argument is the one after ``self``, or the first of a
+    ``bound`` method. A detail that fails records the error's name, never
+    raises."""
+    first = 0 if bound else 1
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         t0 = time.time()
         result = fn(*args, **kwargs)
         t1 = time.time()
         try:
-            d = detail(args[1] if len(args) > 1 else next(iter(kwargs.values()), None), result)
+            d = detail(args[first] if len(args) > first else next(iter(kwargs.values()), None), result)
         except Exception as exc:  # a diagnostic must never take the server down
             d = [type(exc).__name__]
         if d is not None:
@@ -160,9 +165,15 @@ def _install_timeline(scheduler) -> None:
     except ImportError:
         pass
     coord = getattr(scheduler, "hisparse_coordinator", None)
-    if coord is not None and hasattr(coord, "collect_ready_reqs"):
-        coord.collect_ready_reqs = _traced(
-            "join", coord.collect_ready_reqs, lambda _, r: [len(r)] if r else None)
+    if coord is None:
+        return
+    # A join, a prefill's hand-over to staging, a finish: each may sync.
+    for meth, what, detail in (
+            ("collect_ready_reqs", "join", lambda _, r: [len(r)] if r else None),
+            ("admit_request_into_staging", "stage", lambda req, r: [getattr(req, "rid", None)]),
+            ("request_finished", "finish", lambda req, r: [getattr(req, "rid", None)])):
+        if hasattr(coord, meth):
+            setattr(coord, meth, _traced(what, getattr(coord, meth), detail, bound=True))
 
 
 def _install(scheduler) -> None:
