@@ -3,7 +3,7 @@
 The client's gap is what a user sees; the step timer's timeline
 (``STEPTIMER_TIMELINE=1`` with ``e2e_gpu.py --step-timer``: each batch's
 ``run_batch`` and ``process_batch_result``, each ``stream_output``, each join,
-stamped with ``time.time()`` on the same machine as the client) says whether
+staging hand-over and finish, stamped with ``time.time()`` on the same machine as the client) says whether
 the scheduler sent those tokens late (a slow ``process`` or ``join`` inside
 the gap) or sent them on time and the gap grew after it (detokenizer,
 tokenizer manager, HTTP, client).

@@ -106,8 +106,9 @@
 #             (with STEPTIMER_SYNCS=1 exported: the stacks of the
 #             scheduler's synchronizing CUDA calls, in
 #             LOGS/steptimer_*/; with STEPTIMER_TIMELINE=1: each batch,
-#             stream_output and join stamped, timeline_*.jsonl there, to
-#             read against the client's stamps). Run either apart from the
+#             stream_output, join, staging hand-over and finish stamped,
+#             timeline_*.jsonl there, to read against the client's stamps
+#             with scripts/gap_timeline.py). Run either apart from the
 #             timing rounds.
 #             decodelong (4096 out, its own launch): a round of base,
 #             native, ours and noio should take ~240 s on 8 layers (base
