@@ -674,6 +674,20 @@ def make_ids(n: int, seed: int, vocab: int = 32768) -> list[int]:
 
 def stream_generate(url: str, ids: list[int], max_new: int, timeout: float = 600) -> dict:
     """One streaming /generate; returns token ids, top-2 logprobs and timings."""
+    return parse_stream(read_stream(url, ids, max_new, timeout))
+
+
+def read_stream(url: str, ids: list[int], max_new: int, timeout: float = 600) -> dict:
+    """One streaming /generate, read as it arrives: each event's arrival time
+    and its bytes, nothing parsed (``parse_stream`` makes the request's
+    result). A workload's requests stream on threads of this one process.
+    When each thread parsed its events and built its result as its stream
+    ended, the threads that ended first held the interpreter while the rest
+    were still receiving: a stand-in server that ends 8 of 16 streams one
+    4.5 ms tick before the others showed gaps of 12-16x the median at the
+    last tokens on this CPU (2026-12-07-s6), the run-end gaps of 2026-12-07-s5's
+    hold config (scheduler sends 18 ms apart, client gaps 40-90 ms). So a
+    workload parses after all of its streams have ended."""
     body = json.dumps({
         "input_ids": ids,
         "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new, "ignore_eos": True},
@@ -682,26 +696,33 @@ def stream_generate(url: str, ids: list[int], max_new: int, timeout: float = 600
     req = urllib.request.Request(url + "/generate", data=body,
                                  headers={"Content-Type": "application/json"})
     t0 = time.time()
-    stamps, last = [], None
+    stamps, events = [], []
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        for raw in resp:
+            if raw.startswith(b"data:") and not raw.startswith(b"data: [DONE]"):
+                stamps.append(time.time() - t0)
+                events.append(raw)
+    return {"prompt_len": len(ids), "t0": t0, "stamps": stamps, "events": events}
+
+
+def parse_stream(raw: dict) -> dict:
+    """A request's result from ``read_stream``'s events."""
+    stamps = raw["stamps"]
+    last = None
     # Every server runs with --incremental-streaming-output: an event holds
     # its new tokens and their logprobs; the scalars (finish reason,
     # speculative counts) are the request's so far.
     output_ids, token_logprobs, top = [], [], []
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            last = json.loads(line[5:])
-            stamps.append(time.time() - t0)
-            mi = last.get("meta_info") or {}
-            output_ids += last.get("output_ids") or []
-            token_logprobs += mi.get("output_token_logprobs") or []
-            top += mi.get("output_top_logprobs") or []
-    mi = last.get("meta_info") or {}
+    for line in raw["events"]:
+        last = json.loads(line[5:])
+        mi = last.get("meta_info") or {}
+        output_ids += last.get("output_ids") or []
+        token_logprobs += mi.get("output_token_logprobs") or []
+        top += mi.get("output_top_logprobs") or []
+    mi = (last or {}).get("meta_info") or {}
     out = {
-        "prompt_len": len(ids),
-        "t0": t0,  # wall clock at the send (a step timer's timeline shares it)
+        "prompt_len": raw["prompt_len"],
+        "t0": raw["t0"],  # wall clock at the send (a step timer's timeline shares it)
         "output_ids": output_ids,
         "logprobs": [x[0] for x in token_logprobs],
         "top2": [[t[0] for t in step[:2]] if step else [] for step in top],
@@ -767,10 +788,12 @@ class ServerStalled(RuntimeError):
     pass
 
 
-def _results_or_stall(futs, log_path: Optional[Path], stall_s: float, res: dict) -> None:
-    """Collect the futures' results into ``res`` in submission order (the
-    comparisons with base pair requests by position); raise ServerStalled
-    when ``log_path`` stops growing for ``stall_s`` with some still pending."""
+def _results_or_stall(futs, log_path: Optional[Path], stall_s: float, res: dict,
+                      finish=lambda r: r) -> None:
+    """Collect the futures' results, each through ``finish`` once all have
+    ended, into ``res`` in submission order (the comparisons with base pair
+    requests by position); raise ServerStalled when ``log_path`` stops
+    growing for ``stall_s`` with some still pending."""
     pending = set(futs)
     size, since = (log_path.stat().st_size if log_path else 0), time.time()
     while pending:
@@ -785,7 +808,7 @@ def _results_or_stall(futs, log_path: Optional[Path], stall_s: float, res: dict)
                                 f"of {len(futs)} requests outstanding ({log_path.name})")
     for f in futs:
         try:
-            res["requests"].append(f.result())
+            res["requests"].append(finish(f.result()))
         except Exception as exc:
             res["errors"].append(repr(exc))
 
@@ -810,8 +833,8 @@ def run_workload(url: str, name: str, seed0: int = 0, max_requests: Optional[int
             ids = [make_ids(n, seed0 + 1000 * gi + k) for k, n in enumerate(lens)]
             ex = ThreadPoolExecutor(len(ids))
             try:
-                futs = [ex.submit(stream_generate, url, x, max_new) for x in ids]
-                _results_or_stall(futs, log_path, stall_s, res)
+                futs = [ex.submit(read_stream, url, x, max_new) for x in ids]
+                _results_or_stall(futs, log_path, stall_s, res, finish=parse_stream)
             finally:
                 # Not waiting: after a stall the requests end when the server does.
                 ex.shutdown(wait=False)

@@ -84,7 +84,12 @@
 #             ours:16) a request must outlast the others' prefills
 #             (GF_DECODE_NEW=3000 at ~28 ms a step), and GF_DECODE_END=5
 #             stops each server 5 s after its trace instead of decoding
-#             every request to its end.
+#             every request to its end. On an H100 (80 GB) the 31 GB of
+#             weights leave 61120 tokens at 0.45 (2026-12-07-s6: base then
+#             holds 1): GF_DECODE_MEM=0.5 restores 72000.
+#             GF_DECODE_PLATEAU (s, default 20): native admitted its 32K
+#             prompts up to 15 s apart at 61 layers (2026-12-07-s6), so 20 s
+#             can call a plateau that is not one.
 #   bound     end to end, decode-bound (issue #16's targets, "#16 target"
 #             lines): GF_BOUND_WORKLOADS (decodebound: 16 x 32K x 1024 out,
 #             and lone32k: one 32K request, both at --max-total-tokens 72000,
@@ -670,8 +675,8 @@ decode_cmd() {
   python3 scripts/profile_decode.py --model "$model" --port "$PORT" \
     --configs "${GF_DECODE_CONFIGS:-base:2,ours:16}" ${syn:+--synthetic "$syn"} \
     --prompt 32000 --new "${GF_DECODE_NEW:-400}" --steps 8 --warm-s 2 --no-stack \
-    ${GF_DECODE_END:+--end-after-profile "$GF_DECODE_END"} \
-    --extra "--max-total-tokens 72000 --context-length 40960 --mem-fraction-static 0.45 --cuda-graph-max-bs 16" \
+    ${GF_DECODE_END:+--end-after-profile "$GF_DECODE_END"} ${GF_DECODE_PLATEAU:+--plateau-s "$GF_DECODE_PLATEAU"} \
+    --extra "--max-total-tokens 72000 --context-length 40960 --mem-fraction-static ${GF_DECODE_MEM:-0.45} --cuda-graph-max-bs 16" \
     --out "$RUN/decode"
 }
 

@@ -1572,13 +1572,13 @@ def test_the_client_collects_no_garbage_while_a_workload_streams(monkeypatch):
 
     e2e = _load("e2e_gpu", SCRIPTS / "e2e_gpu.py")
     seen = []
-    real = e2e.stream_generate
+    real = e2e.read_stream
 
     def stream(*a, **kw):
         seen.append(gc.isenabled())
         return real(*a, **kw)
 
-    monkeypatch.setattr(e2e, "stream_generate", stream)
+    monkeypatch.setattr(e2e, "read_stream", stream)
     ep = Endpoint(lambda body: iter([sse({"output_ids": [1], "meta_info": {}}), "data: [DONE]"]))
     try:
         for before in (True, False):
@@ -1589,6 +1589,57 @@ def test_the_client_collects_no_garbage_while_a_workload_streams(monkeypatch):
     finally:
         gc.enable()
         ep.close()
+
+
+def test_a_workload_parses_its_streams_only_after_all_have_ended(monkeypatch):
+    """A workload's requests stream on threads of one process. A thread that
+    parsed its events and built its result as its stream ended held the
+    interpreter while the others were still receiving, and the benchmark
+    measured the last tokens late (2026-12-07-s6: 12-19x the median gap
+    against 4-8x on a stand-in server ending 8 of 16 streams a tick early).
+    The streams here end 0.02-0.1 s apart; none is parsed while one is open,
+    and the results are the same as one stream_generate each."""
+    import threading
+
+    from test_pd_gpu_script import Endpoint, sse
+
+    e2e = _load("e2e_gpu", SCRIPTS / "e2e_gpu.py")
+    real_read, real_parse = e2e.read_stream, e2e.parse_stream
+    lock, open_streams, open_at_parse = threading.Lock(), [0], []
+
+    def read(*a, **kw):
+        with lock:
+            open_streams[0] += 1
+        try:
+            return real_read(*a, **kw)
+        finally:
+            with lock:
+                open_streams[0] -= 1
+
+    def parse(raw):
+        open_at_parse.append(open_streams[0])
+        return real_parse(raw)
+
+    def answer(body):
+        n = len(body["input_ids"])
+        yield sse({"output_ids": [n], "meta_info": {"output_token_logprobs": [[-1.0, n, None]]}})
+        time.sleep(n / 100000)  # smoke's prompts: 600-9000 tokens
+        yield sse({"output_ids": [7], "meta_info": {"output_token_logprobs": [[-2.0, 7, None]],
+                                                    "finish_reason": {"type": "length"}}})
+        yield "data: [DONE]"
+
+    ep = Endpoint(answer)
+    try:
+        monkeypatch.setattr(e2e, "read_stream", read)
+        monkeypatch.setattr(e2e, "parse_stream", parse)
+        res = e2e.run_workload(ep.url, "smoke", max_new=2)
+        one = e2e.stream_generate(ep.url, [1, 2, 3], 2)
+    finally:
+        ep.close()
+    assert open_at_parse[:5] == [0] * 5 and not res["errors"]
+    assert [r["output_ids"] for r in res["requests"]] == [[600, 7], [3000, 7], [9000, 7], [7000, 7], [8500, 7]]
+    assert res["requests"][0]["logprobs"] == [-1.0, -2.0] and len(res["requests"][0]["gaps_ms"]) == 1
+    assert one["output_ids"] == [3, 7] and one["finish_reason"] == {"type": "length"}
 
 
 class _StandInServer:
@@ -1840,3 +1891,18 @@ def test_bound_stage_passes_its_extra_flags_and_nothing_else(tmp_path):
         got = argv(GF_BOUND_EXTRA=" ".join(extra))
         assert [a for a in got if a in extra] == extra
         assert [a for a in got if a not in extra] == plain  # nothing else changes
+
+
+def test_client_gaps_reads_the_stand_in_both_ways(capsys):
+    """scripts/client_gaps.py: the stand-in's streams end a tick apart and both
+    readers see every token of each; the summary line compares them."""
+    cg = _load("client_gaps", SCRIPTS / "client_gaps.py")
+    port = 30000 + os.getpid() % 2000
+    with cg.stand_in(port, 4, 6, 2.0) as url:
+        after = cg.read_all(cg._e2e(), url, 4, 6, "after")
+    assert sorted(len(r["output_ids"]) for r in after) == [5, 5, 6, 6]
+    assert all(r["logprobs"] == [-0.5] * len(r["output_ids"]) for r in after)
+    assert cg.main(["--streams", "4", "--tokens", "6", "--tick-ms", "2", "--rounds", "1",
+                    "--port", str(port + 1)]) == 0
+    out = capsys.readouterr().out
+    assert "round 1 after" in out and "round 1 in-thread" in out and "in-thread / after" in out
