@@ -684,7 +684,7 @@ def read_stream(url: str, ids: list[int], max_new: int, timeout: float = 600) ->
     When each thread parsed its events and built its result as its stream
     ended, the threads that ended first held the interpreter while the rest
     were still receiving: a stand-in server that ends 8 of 16 streams one
-    4.5 ms tick before the others showed gaps of 12-16x the median at the
+    4.5 ms tick before the others showed gaps of 12-19x the median at the
     last tokens on this CPU (2026-12-07-s6), the run-end gaps of 2026-12-07-s5's
     hold config (scheduler sends 18 ms apart, client gaps 40-90 ms). So a
     workload parses after all of its streams have ended."""

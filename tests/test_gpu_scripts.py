@@ -1597,10 +1597,8 @@ def test_a_workload_parses_its_streams_only_after_all_have_ended(monkeypatch):
     interpreter while the others were still receiving, and the benchmark
     measured the last tokens late (2026-12-07-s6: 12-19x the median gap
     against 4-8x on a stand-in server ending 8 of 16 streams a tick early).
-    The streams here end 0.02-0.1 s apart; none is parsed while one is open,
-    and the results are the same as one stream_generate each."""
-    import threading
-
+    The streams here end 6-90 ms after their first event; none is parsed
+    while one is open, and the results are what stream_generate returns."""
     from test_pd_gpu_script import Endpoint, sse
 
     e2e = _load("e2e_gpu", SCRIPTS / "e2e_gpu.py")
