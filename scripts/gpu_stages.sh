@@ -86,7 +86,7 @@
 #             stops each server 5 s after its trace instead of decoding
 #             every request to its end. On an H100 (80 GB) the 31 GB of
 #             weights leave 61120 tokens at 0.45 (2026-12-07-s6: base then
-#             holds 1): GF_DECODE_MEM=0.5 restores 72000.
+#             holds 1): GF_DECODE_MEM=0.5 should restore 72000 (not yet run).
 #             GF_DECODE_PLATEAU (s, default 20): native admitted its 32K
 #             prompts up to 15 s apart at 61 layers (2026-12-07-s6), so 20 s
 #             can call a plateau that is not one.
