@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib.util
 import json
 import statistics
 import subprocess
@@ -38,14 +37,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-
-
-def _e2e():
-    spec = importlib.util.spec_from_file_location("e2e_gpu", HERE / "e2e_gpu.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import e2e_gpu  # noqa: E402
 
 
 def serve(port: int, streams: int, tokens: int, tick_s: float) -> None:
@@ -101,12 +94,12 @@ def serve(port: int, streams: int, tokens: int, tick_s: float) -> None:
     asyncio.run(main())
 
 
-def read_all(e2e, url: str, streams: int, tokens: int, mode: str) -> list:
-    with e2e.client_gc_paused(), ThreadPoolExecutor(streams) as ex:
+def read_all(url: str, streams: int, tokens: int, mode: str) -> list:
+    with e2e_gpu.client_gc_paused(), ThreadPoolExecutor(streams) as ex:
         if mode == "after":
-            futs = [ex.submit(e2e.read_stream, url, [1, 2, 3], tokens) for _ in range(streams)]
-            return [e2e.parse_stream(f.result()) for f in futs]
-        futs = [ex.submit(e2e.stream_generate, url, [1, 2, 3], tokens) for _ in range(streams)]
+            futs = [ex.submit(e2e_gpu.read_stream, url, [1, 2, 3], tokens) for _ in range(streams)]
+            return [e2e_gpu.parse_stream(f.result()) for f in futs]
+        futs = [ex.submit(e2e_gpu.stream_generate, url, [1, 2, 3], tokens) for _ in range(streams)]
         return [f.result() for f in futs]
 
 
@@ -129,9 +122,9 @@ def stand_in(port: int, streams: int, tokens: int, tick_ms: float):
         server.wait(10)
 
 
-def one_round(e2e, args, mode: str) -> dict:
+def one_round(args, mode: str) -> dict:
     with stand_in(args.port, args.streams, args.tokens, args.tick_ms) as url:
-        return e2e.gap_stats(read_all(e2e, url, args.streams, args.tokens, mode))
+        return e2e_gpu.gap_stats(read_all(url, args.streams, args.tokens, mode))
 
 
 def main(argv=None) -> int:
@@ -146,11 +139,10 @@ def main(argv=None) -> int:
     if args.serve:
         serve(args.serve, args.streams, args.tokens, args.tick_ms / 1000)
         return 0
-    e2e = _e2e()
     worst: dict = {"after": [], "in-thread": []}
     for r in range(args.rounds):
         for mode in ("after", "in-thread") if r % 2 == 0 else ("in-thread", "after"):
-            st = one_round(e2e, args, mode)
+            st = one_round(args, mode)
             worst[mode].append(st["itg_worst_over_median"])
             print(f"round {r + 1} {mode:9s}: gap p50 {st['itg_p50_ms']:.2f} ms, p99 {st['itg_p99_ms']:.2f} ms, "
                   f"worst {st['itg_worst_over_median']:.1f}x its median", flush=True)

@@ -1897,7 +1897,7 @@ def test_client_gaps_reads_the_stand_in_both_ways(capsys):
     cg = _load("client_gaps", SCRIPTS / "client_gaps.py")
     port = 30000 + os.getpid() % 2000
     with cg.stand_in(port, 4, 6, 2.0) as url:
-        after = cg.read_all(cg._e2e(), url, 4, 6, "after")
+        after = cg.read_all(url, 4, 6, "after")
     assert sorted(len(r["output_ids"]) for r in after) == [5, 5, 6, 6]
     assert all(r["logprobs"] == [-0.5] * len(r["output_ids"]) for r in after)
     assert cg.main(["--streams", "4", "--tokens", "6", "--tick-ms", "2", "--rounds", "1",
