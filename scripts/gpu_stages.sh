@@ -72,10 +72,11 @@
 #             rate at 16K/32K/64K beside the reference's). ~1 min.
 #   decode    decode-only step and where it goes, on the V3.2 geometry
 #             (GF_DECODE_LAYERS, default 61): scripts/profile_decode.py,
-#             32000-token prompts x GF_DECODE_NEW (400) out, --max-total-tokens
-#             72000, GF_DECODE_CONFIGS (base:2,ours:16: requests each; base
-#             holds two), synthetic GF_DECODE_SYNTHETIC (calibrated; "" for
-#             the model's own top-k); profiles 8 steps once all run (or
+#             32000-token prompts x GF_DECODE_NEW (400) out,
+#             --max-total-tokens GF_DECODE_TOKENS (72000), GF_DECODE_CONFIGS
+#             (base:2,ours:16: requests each; base holds two), synthetic
+#             GF_DECODE_SYNTHETIC (calibrated; "" for the model's own
+#             top-k); profiles 8 steps once all run (or
 #             once the running count stops growing: native holds ~10), and
 #             reads the decode-only rate from the server log. Measured at
 #             61 layers: base ready in 81 s, then ~30 s; ours ready in 113 s,
@@ -86,10 +87,15 @@
 #             stops each server 5 s after its trace instead of decoding
 #             every request to its end. On an H100 (80 GB) the 31 GB of
 #             weights leave 61120 tokens at 0.45 (2026-12-07-s6: base then
-#             holds 1): GF_DECODE_MEM=0.5 should restore 72000 (not yet run).
-#             GF_DECODE_PLATEAU (s, default 20): native admitted its 32K
-#             prompts up to 15 s apart at 61 layers (2026-12-07-s6), so 20 s
-#             can call a plateau that is not one.
+#             holds 1): GF_DECODE_MEM=0.5 gives base and native 72000, ours
+#             66880 (2026-12-07-s7). GF_DECODE_PLATEAU (s, default 20):
+#             native admitted its 32K prompts up to 15 s apart at 61 layers
+#             (2026-12-07-s6), so 20 s can call a plateau that is not one.
+#             The pool sets ours / native: native prefills a prompt into
+#             device rows, so it runs (pool - prompt) / hot + 1 requests,
+#             ours pool / hot (hot = 4160 rows): 10 and 16 at 72000
+#             (2026-12-07-s7). GF_DECODE_TOKENS=50000 (base holds 1) should
+#             give 5 and 12; not yet run.
 #   bound     end to end, decode-bound (issue #16's targets, "#16 target"
 #             lines): GF_BOUND_WORKLOADS (decodebound: 16 x 32K x 1024 out,
 #             and lone32k: one 32K request, both at --max-total-tokens 72000,
@@ -497,10 +503,21 @@ say "== install: $(ls -d "$PROJ"/sglang_hisparse-*.dist-info | xargs -n1 basenam
 # or at the end.
 python3 -m sglang_hisparse doctor > "$RUN/doctor.out" 2>&1 &
 DOCTOR_PID=$!
+# The machine's host link (bench_kernels.py --host-link: pinned H2D rate,
+# the GPU's NUMA node), said with doctor's line. On 2026-12-07-s7 ours' step
+# with host misses ran 13% slower than on the H100 of -s5 while base and
+# native did not, and no run had recorded the link. It copies 4 GiB of
+# pinned memory (~0.1 s at 55 GB/s) while the stage's servers load.
+python3 scripts/bench_kernels.py --host-link > "$RUN/host_link.out" 2>&1 &
+HOST_LINK_PID=$!
 say_doctor() {
   [ -n "${DOCTOR_PID:-}" ] || return 0
   wait "$DOCTOR_PID"; local rc=$?
   DOCTOR_PID=""
+  if [ -n "${HOST_LINK_PID:-}" ]; then
+    wait "$HOST_LINK_PID"; HOST_LINK_PID=""
+    say "   $(grep -E '^host link' "$RUN/host_link.out" || tail -1 "$RUN/host_link.out")"
+  fi
   say "   doctor (rc $rc): $(grep -E '^(sglang |supported|installed)' "$RUN/doctor.out" | paste -sd';' -);" \
       "entries OK $(grep -cE '^  OK ' "$RUN/doctor.out"), FAIL $(grep -cE '^  FAIL ' "$RUN/doctor.out")"
 }
@@ -676,7 +693,7 @@ decode_cmd() {
     --configs "${GF_DECODE_CONFIGS:-base:2,ours:16}" ${syn:+--synthetic "$syn"} \
     --prompt 32000 --new "${GF_DECODE_NEW:-400}" --steps 8 --warm-s 2 --no-stack \
     ${GF_DECODE_END:+--end-after-profile "$GF_DECODE_END"} ${GF_DECODE_PLATEAU:+--plateau-s "$GF_DECODE_PLATEAU"} \
-    --extra "--max-total-tokens 72000 --context-length 40960 --mem-fraction-static ${GF_DECODE_MEM:-0.45} --cuda-graph-max-bs 16" \
+    --extra "--max-total-tokens ${GF_DECODE_TOKENS:-72000} --context-length 40960 --mem-fraction-static ${GF_DECODE_MEM:-0.45} --cuda-graph-max-bs 16" \
     --out "$RUN/decode"
 }
 

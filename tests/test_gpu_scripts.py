@@ -1904,3 +1904,50 @@ def test_client_gaps_reads_the_stand_in_both_ways(capsys):
                     "--port", str(port + 1)]) == 0
     out = capsys.readouterr().out
     assert "round 1 after" in out and "round 1 in-thread" in out and "in-thread / after" in out
+
+
+def test_host_link_line_finds_the_gpus_numa_node_from_nvidia_smis_bus_id(monkeypatch):
+    """nvidia-smi spells a bus id with an 8-digit domain (00000000:1A:00.0) and
+    sysfs with 4 (0000:1a:00.0): the header line must read the GPU's node
+    from sysfs all the same. Checked on a PCI device of this machine."""
+    devices = sorted(Path("/sys/bus/pci/devices").glob("*:*:*.*"))
+    if not devices or not (devices[0] / "numa_node").exists():
+        pytest.skip("no PCI devices in this machine's sysfs")
+    dev = devices[0]
+    domain, rest = dev.name.split(":", 1)
+    smi_spelling = f"{int(domain, 16):08X}:{rest.upper()}"
+    bk = _load("bench_kernels_for_host_link", SCRIPTS / "bench_kernels.py")
+
+    class Done:
+        stdout = smi_spelling + "\n"
+
+    monkeypatch.setattr("subprocess.run", lambda *a, **k: Done())
+    monkeypatch.setattr(bk, "h2d_ceiling_gbps", lambda: 54.25)
+    line = bk.host_link_line()
+    node = (dev / "numa_node").read_text().strip()
+    assert line.startswith("host link: pinned H2D 54.2 GB/s")
+    assert f"GPU 0 on NUMA node {node} of " in line
+
+
+def test_decode_stage_sizes_the_pool_from_gf_decode_tokens(tmp_path):
+    """gpu_stages.sh's decode_cmd: the pool every configuration gets is
+    --max-total-tokens GF_DECODE_TOKENS, 72000 unless set. The pool decides
+    ours / native at 61 layers (native runs (pool - prompt) / hot + 1
+    requests, ours pool / hot), so the next runs compare pools."""
+    import subprocess
+
+    function = stage_functions("v32_model", "decode_cmd")
+    echoing_python3(tmp_path)  # model_config.py and profile_decode.py print their arguments
+
+    def extra(**env_more):
+        env = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "RUN": "/r", "WORK": "/w", "PORT": "1",
+               **env_more}
+        p = subprocess.run(["bash", "-c", function + "decode_cmd"], capture_output=True, text=True,
+                           env=env, check=True)
+        flags = p.stdout.split("--extra ", 1)[1].split(" --out")[0].split()
+        return dict(zip(flags[::2], flags[1::2]))
+
+    assert extra()["--max-total-tokens"] == "72000"
+    assert extra()["--mem-fraction-static"] == "0.45"
+    got = extra(GF_DECODE_TOKENS="50000", GF_DECODE_MEM="0.5")
+    assert got["--max-total-tokens"] == "50000" and got["--mem-fraction-static"] == "0.5"
