@@ -209,7 +209,7 @@ import sys
 import threading
 import time
 import urllib.request
-from typing import Optional
+from typing import NamedTuple, Optional
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
@@ -291,27 +291,68 @@ WORKLOADS = {
 # of a launch is the workload's flags and this).
 WORKLOAD_ENV = {"drain": {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "20"}}
 
-CONFIGS = ("base", "native", "ours", "nopark", "stream", "stream512", "hold", "nostream", "noio", "sync", "warp",
-           "prio16", "prio0", "nograph",
-           "nores", "devgrowth", "stock", "ref", "plain", "base2", "bare")
+
+class ServerConfig(NamedTuple):
+    """What one configuration (the module docstring says what each is for)
+    changes in the server it launches, and how its runs are read."""
+    env: tuple[tuple[str, str], ...] = ()  # set in the server's environment
+    args: tuple[str, ...] = ()  # server flags added after every other
+    hisparse_flag: bool = True  # launched with --enable-hisparse
+    our_plugin: bool = True  # this package loaded (stock and bare: every plugin but ours)
+    expect: Optional[str] = None  # what --check must find: this work tree's data plane only
+    synthetic: bool = False  # --synthetic's top-k reaches it
+    spec_flags: bool = True  # --mtp's EAGLE flags reach it
+    indexshare_row: bool = False  # a row of the IndexShare table, beside sync and noio
+
+
+def _ours(*env: tuple[str, str], args: tuple[str, ...] = (), expect: str = "exact",
+          indexshare_row: bool = False) -> ServerConfig:
+    """This work tree's data plane with ``env`` set: checked, on the synthetic top-k."""
+    return ServerConfig(env=env, args=args, expect=expect, synthetic=True, indexshare_row=indexshare_row)
+
+
+_STREAMING, _GRID, _PRIORITY = ("SGLANG_HISPARSE_STREAMING", "SGLANG_HISPARSE_PREFETCH_GRID",
+                                "SGLANG_HISPARSE_PREFETCH_PRIORITY")
+# Every configuration, in the order the tables list them.
+SERVER_CONFIGS: dict[str, ServerConfig] = {
+    "base": ServerConfig(hisparse_flag=False),
+    "native": ServerConfig(env=(("SGLANG_HISPARSE_NATIVE", "1"),), synthetic=True),
+    "ref": ServerConfig(),  # its PYTHONPATH: server_cmd
+    "ours": _ours(indexshare_row=True),
+    "warp": _ours((_GRID, "smx32"), indexshare_row=True),
+    "prio16": _ours((_GRID, "16x512"), (_PRIORITY, "1"), indexshare_row=True),
+    "prio0": _ours((_GRID, "smx512"), (_PRIORITY, "0"), indexshare_row=True),
+    "sync": _ours(("SGLANG_HISPARSE_INDEXSHARE_PREFETCH", "0")),
+    "nograph": _ours(args=("--disable-cuda-graph",)),
+    "nores": _ours(("SGLANG_HISPARSE_RESIDENCY", "0")),
+    "devgrowth": _ours(("SGLANG_HISPARSE_HOST_GROWTH", "0")),
+    "nopark": _ours(("SGLANG_HISPARSE_PARKING", "0")),
+    "stream": _ours((_STREAMING, "1")),
+    "stream512": _ours((_STREAMING, "512")),
+    "hold": _ours((_STREAMING, "hold")),
+    "nostream": _ours((_STREAMING, "0")),
+    "noio": _ours(("SGLANG_HISPARSE_SKIP_IO", "1"), expect="mismatch"),  # a planted fault
+    "stock": ServerConfig(our_plugin=False),
+    "plain": ServerConfig(hisparse_flag=False, spec_flags=False),
+    "base2": ServerConfig(hisparse_flag=False),
+    "bare": ServerConfig(hisparse_flag=False, our_plugin=False),
+}
+CONFIGS = tuple(SERVER_CONFIGS)
 # Configurations launched without --enable-hisparse.
-WITHOUT_HISPARSE_FLAG = ("base", "base2", "plain", "bare")
-# Configurations that do not run this package's data plane: no --check for
-# them (stock runs 0.5.13's own HiSparse, so it still gets --enable-hisparse).
-NO_HISPARSE = WITHOUT_HISPARSE_FLAG + ("stock",)
-# Configurations whose server runs this work tree's data plane, and what
-# --check must find in them: noio skips the host copies, a planted fault.
-CHECK_EXPECT = {"ours": "exact", "nopark": "exact", "stream": "exact", "stream512": "exact",
-                "hold": "exact", "nostream": "exact", "sync": "exact", "warp": "exact", "prio16": "exact", "prio0": "exact",
-                "nograph": "exact", "nores": "exact", "devgrowth": "exact", "noio": "mismatch"}
+WITHOUT_HISPARSE_FLAG = tuple(c for c, s in SERVER_CONFIGS.items() if not s.hisparse_flag)
+# Configurations without this package's HiSparse: no --check for them
+# (stock runs 0.5.13's own HiSparse, so it still gets --enable-hisparse).
+NO_HISPARSE = tuple(c for c, s in SERVER_CONFIGS.items() if not (s.hisparse_flag and s.our_plugin))
+# What --check must find in the configurations that run this work tree's
+# data plane.
+CHECK_EXPECT = {c: s.expect for c, s in SERVER_CONFIGS.items() if s.expect}
 CHECK_ENV = "SGLANG_HISPARSE_CHECK"
 SYNTHETIC_ENV = "SGLANG_HISPARSE_SYNTHETIC_TOPK"
 # Where --synthetic reaches: this work tree's data plane, and SGLang's own
 # through the plugin's native-mode hook (adapter/native.py).
-SYNTHETIC_CONFIGS = ("ours", "nopark", "stream", "stream512", "hold", "nostream", "noio", "sync", "warp", "prio16", "prio0",
-                     "nores", "devgrowth", "nograph", "native")
+SYNTHETIC_CONFIGS = tuple(c for c, s in SERVER_CONFIGS.items() if s.synthetic)
 # The IndexShare prefetch configurations, each compared with sync and noio.
-PREFETCH_CONFIGS = ("ours", "warp", "prio16", "prio0")
+PREFETCH_CONFIGS = tuple(c for c, s in SERVER_CONFIGS.items() if s.indexshare_row)
 
 PARALLEL_PORT_STRIDE = 7  # gpu_stages.sh probes ports 30010 + 7k
 
@@ -422,55 +463,28 @@ def server_cmd(model: str, port: int, config: str, extra: list[str],
         # were between merged events, not between tokens.
         "--incremental-streaming-output",
     ]
-    if config == "plain":
+    row = SERVER_CONFIGS[config]
+    if not row.spec_flags:
         spec_flags = None
     # later flags win in SGLang's argparse
     extra = list(extra) + list(spec_flags or []) + list(server_args or [])
     if "--max-total-tokens" not in extra:
         args += ["--max-total-tokens", "131072"]
     args += extra
-    if config not in WITHOUT_HISPARSE_FLAG:
+    if row.hisparse_flag:
         args += ["--enable-hisparse", "--hisparse-config", json.dumps(hs_config or ARCH_HS_CONFIG[arch])]
     if check and config not in NO_HISPARSE:
         env[CHECK_ENV] = "1"
-    if synthetic and config in SYNTHETIC_CONFIGS:
+    if synthetic and row.synthetic:
         env[SYNTHETIC_ENV] = synthetic
     if config == "ref":
         # The other copy first; no entry that would give this work tree's
         # package (or its entry point) instead.
         kept = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and not has_package(p)]
         env["PYTHONPATH"] = os.pathsep.join([ref_pkg] + kept)
-    if config == "native":
-        env["SGLANG_HISPARSE_NATIVE"] = "1"
-    if config == "noio":
-        env["SGLANG_HISPARSE_SKIP_IO"] = "1"
-    if config == "nopark":
-        env["SGLANG_HISPARSE_PARKING"] = "0"
-    if config == "nostream":
-        env["SGLANG_HISPARSE_STREAMING"] = "0"
-    if config == "stream":
-        env["SGLANG_HISPARSE_STREAMING"] = "1"
-    if config == "stream512":
-        env["SGLANG_HISPARSE_STREAMING"] = "512"
-    if config == "hold":
-        env["SGLANG_HISPARSE_STREAMING"] = "hold"
-    if config == "sync":
-        env["SGLANG_HISPARSE_INDEXSHARE_PREFETCH"] = "0"
-    if config == "warp":
-        env["SGLANG_HISPARSE_PREFETCH_GRID"] = "smx32"
-    if config == "prio16":
-        env["SGLANG_HISPARSE_PREFETCH_GRID"] = "16x512"
-        env["SGLANG_HISPARSE_PREFETCH_PRIORITY"] = "1"
-    if config == "prio0":
-        env["SGLANG_HISPARSE_PREFETCH_GRID"] = "smx512"
-        env["SGLANG_HISPARSE_PREFETCH_PRIORITY"] = "0"
-    if config == "nograph":
-        args += ["--disable-cuda-graph"]
-    if config == "nores":
-        env["SGLANG_HISPARSE_RESIDENCY"] = "0"
-    if config == "devgrowth":
-        env["SGLANG_HISPARSE_HOST_GROWTH"] = "0"
-    if config in ("stock", "bare"):
+    env.update(row.env)
+    args += list(row.args)
+    if not row.our_plugin:
         # SGLang's own whitelist: every plugin but ours (test weights stay),
         # the diagnostic ones this command puts on the server's PYTHONPATH too.
         from importlib.metadata import distributions, entry_points
@@ -1879,9 +1893,7 @@ def merge(args) -> int:
                         run.setdefault(k, v)
                 results.setdefault(cfg, {}).setdefault(w, []).extend(runs)
         launches += [dict(x, source=str(path)) for x in data.get("launches", [])]
-    order = [c for c in ("base", "native", "ref", "ours", "warp", "prio16", "prio0", "sync", "nograph", "nores",
-                         "devgrowth", "nopark", "stream", "stream512", "hold", "nostream", "noio", "stock") if c in results]
-    configs = order + [c for c in results if c not in order]
+    configs = [c for c in CONFIGS if c in results] + [c for c in results if c not in SERVER_CONFIGS]
     workloads = sorted({w for by_w in results.values() for w in by_w})
     for c in configs:
         for w in workloads:

@@ -1951,3 +1951,35 @@ def test_decode_stage_sizes_the_pool_from_gf_decode_tokens(tmp_path):
     assert extra()["--mem-fraction-static"] == "0.45"
     got = extra(GF_DECODE_TOKENS="50000", GF_DECODE_MEM="0.5")
     assert got["--max-total-tokens"] == "50000" and got["--mem-fraction-static"] == "0.5"
+
+
+def test_every_configuration_is_one_row_of_the_table_and_its_server_carries_it(monkeypatch):
+    """e2e_gpu.py's configurations live in one table (SERVER_CONFIGS): the
+    module docstring describes each, and each server gets exactly the
+    environment, flags and --check / --synthetic reach its row says; the
+    lists the rest of the script reads are drawn from the table."""
+    import re
+
+    e2e = _load("e2e_gpu", SCRIPTS / "e2e_gpu.py")
+    section = e2e.__doc__.split("Configurations:\n", 1)[1].split("\n\n", 1)[0]
+    assert sorted(re.findall(r"^  ([a-z0-9]+)\s", section, re.M)) == sorted(e2e.CONFIGS)
+    monkeypatch.setenv("PYTHONPATH", "/site")
+    for name, spec in e2e.SERVER_CONFIGS.items():
+        plain_args, plain_env = e2e.server_cmd("/m", 1, name, [], ref_pkg="/ref")
+        args, env = e2e.server_cmd("/m", 1, name, [], ref_pkg="/ref", check=True, synthetic="calibrated",
+                                   spec_flags=["--speculative-algorithm", "EAGLE"])
+        assert all(env[k] == v for k, v in spec.env), name
+        assert plain_args[len(plain_args) - len(spec.args):] == list(spec.args), name
+        assert ("--enable-hisparse" in args) == spec.hisparse_flag, name
+        assert (e2e.CHECK_ENV in env) == (spec.hisparse_flag and spec.our_plugin), name
+        assert (env.get(e2e.SYNTHETIC_ENV) == "calibrated") == spec.synthetic, name
+        assert ("--speculative-algorithm" in args) == spec.spec_flags, name
+        assert ("SGLANG_PLUGINS" in env) == (not spec.our_plugin), name
+        # nothing the row does not name: the environment beyond the check's,
+        # the synthetic top-k's and the plugin list is the row's own.
+        own = {k for k in plain_env if k not in os.environ or plain_env[k] != os.environ[k]}
+        assert own - {"PYTHONPATH", "SGLANG_PLUGINS"} - set(e2e.ARCH_ENV["dsa"]) == {k for k, _ in spec.env}, name
+    assert e2e.CHECK_EXPECT == {"noio": "mismatch", **{c: "exact" for c, s in e2e.SERVER_CONFIGS.items()
+                                                        if s.expect == "exact"}}
+    assert "native" in e2e.SYNTHETIC_CONFIGS and "native" not in e2e.CHECK_EXPECT
+    assert e2e.PREFETCH_CONFIGS == ("ours", "warp", "prio16", "prio0")
