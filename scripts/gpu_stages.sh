@@ -89,8 +89,10 @@
 #             weights leave 61120 tokens at 0.45 (2026-12-07-s6: base then
 #             holds 1): GF_DECODE_MEM=0.5 gives base and native 72000, ours
 #             66880 (2026-12-07-s7). GF_DECODE_PLATEAU (s, default 20):
-#             native admitted its 32K prompts up to 15 s apart at 61 layers
-#             (2026-12-07-s6), so 20 s can call a plateau that is not one.
+#             native admitted its 32K prompts 20-28 s apart at 61 layers
+#             (0.5.13's ignore_eos admission waits until the oldest running
+#             request is near its end: 2026-12-07-s7's README), so 20 s can
+#             call a plateau that is not one.
 #             The pool sets ours / native: native prefills a prompt into
 #             device rows, so it runs (pool - prompt) / hot + 1 requests,
 #             ours pool / hot (hot = 4160 rows): 10 and 16 at 72000
