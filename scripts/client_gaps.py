@@ -33,7 +33,6 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -110,12 +109,7 @@ def stand_in(port: int, streams: int, tokens: int, tick_ms: float):
                                str(streams), "--tokens", str(tokens), "--tick-ms", str(tick_ms)])
     try:
         url = f"http://127.0.0.1:{port}"
-        for _ in range(200):
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.1)
+        e2e_gpu.wait_healthy(url, server, timeout=20, poll_s=0.1)
         yield url
     finally:
         server.terminate()

@@ -613,6 +613,23 @@ def package_origin(env: dict) -> dict:
     return {"origin": origin, "version": version, "entry_point": ep}
 
 
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, poll_s: float = 1.0) -> float:
+    """Seconds until ``url``'s /health answers 200; raises when ``proc`` (the
+    server) exits first or ``timeout`` passes."""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited rc={proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return time.time() - t0
+        except Exception:
+            pass
+        time.sleep(poll_s)
+    raise TimeoutError("server not ready")
+
+
 class Server:
     def __init__(self, model, port, config, extra, log_path, step_timer_out=None, cpus=None,
                  step_profile=False, **opts):
@@ -626,18 +643,7 @@ class Server:
         LIVE_SERVER_GROUPS.add(self.proc.pid)
 
     def wait_ready(self, timeout=420):
-        t0 = time.time()
-        while time.time() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited rc={self.proc.returncode}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return time.time() - t0
-            except Exception:
-                pass
-            time.sleep(1)
-        raise TimeoutError("server not ready")
+        return wait_healthy(self.url, self.proc, timeout)
 
     def terminate(self):
         """Ask the server's process group to exit (stop() waits for it)."""
