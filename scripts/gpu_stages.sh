@@ -97,7 +97,11 @@
 #             device rows, so it runs (pool - prompt) / hot + 1 requests,
 #             ours pool / hot (hot = 4160 rows): 10 and 16 at 72000
 #             (2026-12-07-s7). GF_DECODE_TOKENS=50000 (base holds 1) should
-#             give 5 and 12; not yet run.
+#             give 5 and 12; not yet run. There the same ignore_eos
+#             admission keeps native at 5 only while its oldest request has
+#             under 271 tokens left, and admitting the next prompt whenever
+#             one ends keeps restarting the plateau: GF_DECODE_JOIN (s,
+#             default 300) ends the wait for the running count sooner.
 #   bound     end to end, decode-bound (issue #16's targets, "#16 target"
 #             lines): GF_BOUND_WORKLOADS (decodebound: 16 x 32K x 1024 out,
 #             and lone32k: one 32K request, both at --max-total-tokens 72000,
@@ -695,6 +699,7 @@ decode_cmd() {
     --configs "${GF_DECODE_CONFIGS:-base:2,ours:16}" ${syn:+--synthetic "$syn"} \
     --prompt 32000 --new "${GF_DECODE_NEW:-400}" --steps 8 --warm-s 2 --no-stack \
     ${GF_DECODE_END:+--end-after-profile "$GF_DECODE_END"} ${GF_DECODE_PLATEAU:+--plateau-s "$GF_DECODE_PLATEAU"} \
+    ${GF_DECODE_JOIN:+--join-timeout-s "$GF_DECODE_JOIN"} \
     --extra "--max-total-tokens ${GF_DECODE_TOKENS:-72000} --context-length 40960 --mem-fraction-static ${GF_DECODE_MEM:-0.45} --cuda-graph-max-bs 16" \
     --out "$RUN/decode"
 }

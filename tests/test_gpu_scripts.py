@@ -1933,7 +1933,8 @@ def test_decode_stage_sizes_the_pool_from_gf_decode_tokens(tmp_path):
     """gpu_stages.sh's decode_cmd: the pool every configuration gets is
     --max-total-tokens GF_DECODE_TOKENS, 72000 unless set. The pool decides
     ours / native at 61 layers (native runs (pool - prompt) / hot + 1
-    requests, ours pool / hot), so the next runs compare pools."""
+    requests, ours pool / hot), so the next runs compare pools.
+    GF_DECODE_JOIN bounds the wait for the running count."""
     import subprocess
 
     function = stage_functions("v32_model", "decode_cmd")
@@ -1945,12 +1946,15 @@ def test_decode_stage_sizes_the_pool_from_gf_decode_tokens(tmp_path):
         p = subprocess.run(["bash", "-c", function + "decode_cmd"], capture_output=True, text=True,
                            env=env, check=True)
         flags = p.stdout.split("--extra ", 1)[1].split(" --out")[0].split()
-        return dict(zip(flags[::2], flags[1::2]))
+        return dict(zip(flags[::2], flags[1::2]), join=p.stdout.split("--join-timeout-s ")[1].split()[0]
+                    if "--join-timeout-s" in p.stdout else None)
 
     assert extra()["--max-total-tokens"] == "72000"
     assert extra()["--mem-fraction-static"] == "0.45"
     got = extra(GF_DECODE_TOKENS="50000", GF_DECODE_MEM="0.5")
     assert got["--max-total-tokens"] == "50000" and got["--mem-fraction-static"] == "0.5"
+    # The wait for the running count: profile_decode.py's own default unless set.
+    assert got["join"] is None and extra(GF_DECODE_JOIN="150")["join"] == "150"
 
 
 def test_every_configuration_is_one_row_of_the_table_and_its_server_carries_it(monkeypatch):
