@@ -96,12 +96,16 @@
 #             The pool sets ours / native: native prefills a prompt into
 #             device rows, so it runs (pool - prompt) / hot + 1 requests,
 #             ours pool / hot (hot = 4160 rows): 10 and 16 at 72000
-#             (2026-12-07-s7). GF_DECODE_TOKENS=50000 (base holds 1) should
-#             give 5 and 12; not yet run. There the same ignore_eos
+#             (2026-12-07-s7). GF_DECODE_TOKENS=50000 (base holds 1) gave
+#             5 and 12 (2026-12-07-s8). There the same ignore_eos
 #             admission keeps native at 5 only while its oldest request has
-#             under 271 tokens left, and admitting the next prompt whenever
-#             one ends keeps restarting the plateau: GF_DECODE_JOIN (s,
-#             default 300) ends the wait for the running count sooner.
+#             under 271 tokens left (66 of its 963 pure decode lines), and
+#             admitting the next prompt whenever one ends keeps restarting
+#             the plateau: GF_DECODE_JOIN (s, default 300) ends the wait for
+#             the running count sooner (-s8: native GF_DECODE_PLATEAU=300
+#             GF_DECODE_JOIN=130, 221 s; ours PLATEAU=20, 175 s; base
+#             PLATEAU=15 JOIN=60, 84 s; each stage call wants GF_BUDGET_S of
+#             its time plus ~75 s).
 #   bound     end to end, decode-bound (issue #16's targets, "#16 target"
 #             lines): GF_BOUND_WORKLOADS (decodebound: 16 x 32K x 1024 out,
 #             and lone32k: one 32K request, both at --max-total-tokens 72000,
@@ -560,7 +564,11 @@ run_stage() {
   local name=$1 need=$2 cap=$3; shift 3
   local left=$(( BUDGET_S - $(elapsed) - RESERVE - 45 ))  # 45: SIGTERM grace + stop
   if [ "$left" -lt "$need" ]; then
-    echo "== $name: SKIPPED ($left s left, needs ~$need s)" > "$RUN/$name.summary"
+    # Say the budget that would have run it: the set-up before the first
+    # stage (install, doctor) takes 30-75 s of GF_BUDGET_S, and on
+    # 2026-12-07-s8 two skipped stages cost 75 s of device time each.
+    echo "== $name: SKIPPED ($left s left, needs ~$need s: GF_BUDGET_S=$(( BUDGET_S + need - left )) would run it)" \
+      > "$RUN/$name.summary"
     return 0
   fi
   local t=$(( cap < left ? cap : left ))

@@ -1987,3 +1987,24 @@ def test_every_configuration_is_one_row_of_the_table_and_its_server_carries_it(m
                                                         if s.expect == "exact"}}
     assert "native" in e2e.SYNTHETIC_CONFIGS and "native" not in e2e.CHECK_EXPECT
     assert e2e.PREFETCH_CONFIGS == ("ours", "warp", "prio16", "prio0")
+
+
+def test_a_skipped_stage_names_the_budget_that_would_have_run_it(tmp_path):
+    """gpu_stages.sh's run_stage: a stage with too little of GF_BUDGET_S left
+    is skipped, and its summary says the GF_BUDGET_S that would have run it
+    (the set-up before it spends part of the budget; 2026-12-07-s8 lost two
+    warm-machine calls guessing)."""
+    import subprocess
+
+    function = stage_functions("run_stage")
+
+    def summary(budget, elapsed):
+        env = {"PATH": os.environ["PATH"], "RUN": str(tmp_path), "BUDGET_S": str(budget), "RESERVE": "15"}
+        script = f"elapsed() {{ echo {elapsed}; }}\n" + function + "run_stage decode 200 560 echo ran"
+        subprocess.run(["bash", "-c", script], env=env, check=True)
+        return (tmp_path / "decode.summary").read_text()
+
+    # 265 - 50 - 15 - 45 = 155 s left of the 200 needed: 310 would leave 200.
+    text = summary(265, 50)
+    assert "SKIPPED (155 s left, needs ~200 s: GF_BUDGET_S=310 would run it)" in text
+    assert "rc=0" in summary(310, 50)
