@@ -104,8 +104,8 @@
 #             the plateau: GF_DECODE_JOIN (s, default 300) ends the wait for
 #             the running count sooner (-s8: native GF_DECODE_PLATEAU=300
 #             GF_DECODE_JOIN=130, 221 s; ours PLATEAU=20, 175 s; base
-#             PLATEAU=15 JOIN=60, 84 s; each stage call wants GF_BUDGET_S of
-#             its time plus ~75 s).
+#             PLATEAU=15 JOIN=60, 84 s; GF_BUDGET_S must also cover ~75 s
+#             of set-up, reserve and stop grace).
 #   bound     end to end, decode-bound (issue #16's targets, "#16 target"
 #             lines): GF_BOUND_WORKLOADS (decodebound: 16 x 32K x 1024 out,
 #             and lone32k: one 32K request, both at --max-total-tokens 72000,
@@ -564,9 +564,10 @@ run_stage() {
   local name=$1 need=$2 cap=$3; shift 3
   local left=$(( BUDGET_S - $(elapsed) - RESERVE - 45 ))  # 45: SIGTERM grace + stop
   if [ "$left" -lt "$need" ]; then
-    # Say the budget that would have run it: the set-up before the first
-    # stage (install, doctor) takes 30-75 s of GF_BUDGET_S, and on
-    # 2026-12-07-s8 two skipped stages cost 75 s of device time each.
+    # Say the budget that would have run it: GF_BUDGET_S also pays for the
+    # set-up before the stage (~15 s), the reserve and the stop grace, so a
+    # stage that needs 200 s wants ~275 s; on 2026-12-07-s8 three stages
+    # set at 200-265 were skipped, 36-39 s of device time each for nothing.
     echo "== $name: SKIPPED ($left s left, needs ~$need s: GF_BUDGET_S=$(( BUDGET_S + need - left )) would run it)" \
       > "$RUN/$name.summary"
     return 0

@@ -1992,8 +1992,8 @@ def test_every_configuration_is_one_row_of_the_table_and_its_server_carries_it(m
 def test_a_skipped_stage_names_the_budget_that_would_have_run_it(tmp_path):
     """gpu_stages.sh's run_stage: a stage with too little of GF_BUDGET_S left
     is skipped, and its summary says the GF_BUDGET_S that would have run it
-    (the set-up before it spends part of the budget; 2026-12-07-s8 lost two
-    warm-machine calls guessing)."""
+    (the set-up, reserve and stop grace spend part of the budget; on
+    2026-12-07-s8 three stages were skipped for want of it)."""
     import subprocess
 
     function = stage_functions("run_stage")
