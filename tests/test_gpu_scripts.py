@@ -2000,7 +2000,8 @@ def test_a_skipped_stage_names_the_budget_that_would_have_run_it(tmp_path):
 
     def summary(budget, elapsed):
         env = {"PATH": os.environ["PATH"], "RUN": str(tmp_path), "BUDGET_S": str(budget), "RESERVE": "15"}
-        script = f"elapsed() {{ echo {elapsed}; }}\n" + function + "run_stage decode 200 560 echo ran"
+        script = (f"elapsed() {{ echo {elapsed}; }}\nsummarize_stage() {{ :; }}\n" + function
+                  + "run_stage decode 200 560 echo ran")
         subprocess.run(["bash", "-c", script], env=env, check=True)
         return (tmp_path / "decode.summary").read_text()
 
