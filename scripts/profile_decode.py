@@ -351,11 +351,13 @@ def profile_one(args, config: str, totals: dict, reqs: int) -> int:
     threads: list = []
     try:
         print(f"[{config}] ready in {srv.wait_ready():.0f}s", flush=True)
-        results = []
+        # Each thread keeps its raw events; they are parsed after the streams
+        # have ended, as run_workload does (read_stream says why).
+        streams = []
 
         def one(seed):
             try:
-                results.append(e2e_gpu.stream_generate(srv.url, e2e_gpu.make_ids(args.prompt, seed), args.new))
+                streams.append(e2e_gpu.read_stream(srv.url, e2e_gpu.make_ids(args.prompt, seed), args.new))
             except Exception:  # a reset, a cut chunk, a truncated event
                 if not args.end_after_profile:
                     raise  # with it, the server is stopped under the streams on purpose
@@ -386,6 +388,7 @@ def profile_one(args, config: str, totals: dict, reqs: int) -> int:
             time.sleep(1)
         if args.end_after_profile:
             time.sleep(args.end_after_profile)  # steady decode lines after the profiled steps
+        results = [e2e_gpu.parse_stream(raw) for raw in list(streams)]
         stats = e2e_gpu.log_stats(log, 0)
         print(f"[{config}] {len(results)} done; decode step {stats['decode_step_ms']} ms, "
               f"running max {stats['max_running']}; decode-only {stats['decode_only_tok_s']} tok/s "

@@ -445,17 +445,20 @@ def test_end_after_profile_stops_the_server_under_unfinished_requests(
         def stop(self):
             stopped.set()
 
-    def stream(url, ids, max_new):
+    def stream(url, ids, max_new):  # read_stream: raw events, parsed by the script afterwards
         ended_by_stop.append(stopped.wait(3))  # False: it "finished" on its own
         if ended_by_stop[-1]:
             raise ConnectionResetError("the server stopped")
-        return {"gaps_ms": [1.0, 1.0]}
+        return {"prompt_len": len(ids), "t0": 0.0, "stamps": [0.5, 0.501, 0.502],
+                "events": [b'data: {"output_ids": [%d], "meta_info": {}}' % k for k in range(3)]}
 
     def start_profile(url, body):
         _trace(Path(body["output_dir"]) / "p.trace.json.gz", [("gemm", 0, 100)])
 
     monkeypatch.setattr(e2e, "Server", LauncherStub)
-    monkeypatch.setattr(e2e, "stream_generate", stream)
+    gap_inputs, gap_stats = [], e2e.gap_stats
+    monkeypatch.setattr(e2e, "read_stream", stream)
+    monkeypatch.setattr(e2e, "gap_stats", lambda rs: gap_inputs.append(rs) or gap_stats(rs))
     monkeypatch.setattr(e2e, "exit_on_sigterm", lambda: None)
     monkeypatch.setattr(prof, "post", start_profile)
     monkeypatch.setenv("TMPDIR", str(tmp_path))
@@ -464,6 +467,10 @@ def test_end_after_profile_stops_the_server_under_unfinished_requests(
                     "--model", str(tmp_path), "--out", str(tmp_path / "out"), *flags])
     assert rc == 0 and (tmp_path / "out" / "profile_native_2x16000.txt").exists()
     assert ended_by_stop == [end_after_profile] * 2
+    # The streams that finished reach the gap figures parsed; the ones the
+    # stop cut are not counted.
+    (measured,) = gap_inputs
+    assert [r["output_ids"] for r in measured] == ([] if end_after_profile else [[0, 1, 2]] * 2)
 
 
 def test_thread_cpu_times_lists_every_thread_of_a_process():
@@ -1578,7 +1585,9 @@ def test_the_client_collects_no_garbage_while_a_workload_streams(monkeypatch):
         seen.append(gc.isenabled())
         return real(*a, **kw)
 
+    gap_inputs, gap_stats = [], e2e.gap_stats
     monkeypatch.setattr(e2e, "read_stream", stream)
+    monkeypatch.setattr(e2e, "gap_stats", lambda rs: gap_inputs.append(rs) or gap_stats(rs))
     ep = Endpoint(lambda body: iter([sse({"output_ids": [1], "meta_info": {}}), "data: [DONE]"]))
     try:
         for before in (True, False):
