@@ -1585,9 +1585,7 @@ def test_the_client_collects_no_garbage_while_a_workload_streams(monkeypatch):
         seen.append(gc.isenabled())
         return real(*a, **kw)
 
-    gap_inputs, gap_stats = [], e2e.gap_stats
     monkeypatch.setattr(e2e, "read_stream", stream)
-    monkeypatch.setattr(e2e, "gap_stats", lambda rs: gap_inputs.append(rs) or gap_stats(rs))
     ep = Endpoint(lambda body: iter([sse({"output_ids": [1], "meta_info": {}}), "data: [DONE]"]))
     try:
         for before in (True, False):
