@@ -33,7 +33,10 @@ from sglang_hisparse.pools.shared_host_memory import (
 )
 
 NBYTES = 1 << 16
-TEST_PREFIX = "sglang_hisparse_test_"  # the ``name`` fixture's segments
+# The ``name`` fixture's segments. Not under the adapter's NAME_PREFIX: the
+# wiring test counts every segment of that prefix, and under ``pytest -n 2``
+# the other worker may hold one of these meanwhile (CI, 2026-12-07).
+TEST_PREFIX = "hisparse_shm_test_"
 
 
 @pytest.fixture
@@ -212,15 +215,8 @@ def run_pool_rank(rank: int, init_file: str) -> dict:
     return dict(seen=seen, untouched=untouched, size=host.size)
 
 
-def _adapter_segments() -> set[str]:
-    """The adapter's segments in /dev/shm. The ``name`` fixture's segments
-    share the prefix, and under ``pytest -n 2`` another worker may hold one
-    of them while this test runs (CI, 2026-12-07), so they are left out."""
-    return {e for e in leftovers() if not e.startswith(TEST_PREFIX)}
-
-
 def test_two_tp_ranks_build_our_host_pool_over_one_buffer(tmp_path):
-    before = _adapter_segments()
+    before = set(leftovers())
     init = str(tmp_path / "init")
     results = run_ranks("test_shared_host_pool",
                         [f"run_pool_rank({rank}, {init!r})" for rank in range(2)],
@@ -230,7 +226,7 @@ def test_two_tp_ranks_build_our_host_pool_over_one_buffer(tmp_path):
     assert [r["seen"] for r in results] == [True, True]
     assert [r["untouched"] for r in results] == [True, True]
     assert results[0]["size"] == results[1]["size"] >= 256
-    assert _adapter_segments() <= before
+    assert set(leftovers()) <= before
 
 
 # --- arg rules and the host-memory check -----------------------------------
