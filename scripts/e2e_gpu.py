@@ -1904,7 +1904,10 @@ def merge(args) -> int:
     for c in configs:
         for w in workloads:
             results[c].setdefault(w, [])
-    summary = summarize(results, configs, workloads, args.margin, args.tol)
+    # As main() does: under a synthetic top-k the outputs are not the
+    # model's, so those configurations get no logprob comparison with base.
+    invalid = ("noio",) + (SYNTHETIC_CONFIGS if any(synthetic) else ())
+    summary = summarize(results, configs, workloads, args.margin, args.tol, invalid)
     decode = summarize_decode(results, configs, workloads)
     indexshare = summarize_indexshare(summary, decode)
     checks = summarize_checks(launches)

@@ -863,6 +863,30 @@ def test_merge_keeps_each_rounds_check_launches(tmp_path, capsys):
     assert "mtp target" not in out  # no request of these runs speculated
 
 
+def test_merge_compares_no_synthetic_top_k_run_with_base(tmp_path, capsys):
+    # A synthetic top-k's outputs are not the model's: merge must leave them
+    # uncompared, as a live run does, or every such table shows mismatches.
+    e2e = _load("e2e_gpu", SCRIPTS / "e2e_gpu.py")
+    run = {"requests": [{"ttft": 0.1, "output_ids": [1, 2, 3], "top2": [], "logprobs": [],
+                         "gaps_ms": [3.0, 2.0]}],
+           "errors": [], "output_tok_s": 10.0, "mean_tpot_ms": 2.0, "decode_step_ms": 2.0}
+    rows = {}
+    for synthetic in ("calibrated", None):
+        p = tmp_path / f"{synthetic}.json"
+        p.write_text(json.dumps({"env": {"synthetic": synthetic},
+                                 "runs": {"base": {"lone": [run]}, "ours": {"lone": [run]}}}))
+
+        class Args:
+            merge, margin, tol, out = [str(p)], 0.05, 0.05, str(tmp_path / "merged.json")
+
+        assert e2e.merge(Args) == 0
+        merged = json.loads(Path(Args.out).read_text())
+        rows[synthetic] = {r["config"]: r for r in merged["summary"] if r["workload"] == "lone"}
+    capsys.readouterr()
+    assert "exactness" not in rows["calibrated"]["ours"]
+    assert rows[None]["ours"]["exactness"]["violations"] == 0
+
+
 def test_decode_only_rate_skips_intervals_with_prefill():
     e2e = _load("e2e_gpu", SCRIPTS / "e2e_gpu.py")
     line = "[t] Decode batch, #running-req: {}, #gpu token: 1, gen throughput (token/s): {}, #queue-req: 0"
