@@ -105,7 +105,11 @@
 #             the running count sooner (-s8: native GF_DECODE_PLATEAU=300
 #             GF_DECODE_JOIN=130, 221 s; ours PLATEAU=20, 175 s; base
 #             PLATEAU=15 JOIN=60, 84 s; GF_BUDGET_S must also cover ~75 s
-#             of set-up, reserve and stop grace).
+#             of set-up, reserve and stop grace). A configuration may carry
+#             its own waits, so several share one command's set-up:
+#             GF_DECODE_CONFIGS=ours:16:plateau=20:join=200,base:2:plateau=15:join=60
+#             (~260 s of stage, GF_BUDGET_S ~340; all three with native
+#             need ~480 s of the 515 s a 595 s budget leaves: tight).
 #   bound     end to end, decode-bound (issue #16's targets, "#16 target"
 #             lines): GF_BOUND_WORKLOADS (decodebound: 16 x 32K x 1024 out,
 #             and lone32k: one 32K request, both at --max-total-tokens 72000,
@@ -437,6 +441,11 @@ finish() {
     fi
   fi
   say "== total $(elapsed) s (budget $BUDGET_S s)"
+  # xz on every core in 4 MiB blocks: an e2e run's JSON holds every token
+  # (53 MB for 11 decodebound runs, 2026-12-07-s10) and one xz thread took
+  # ~55 s of device time after "total" to pack it (here, two cores: 48.7 s
+  # single, 17.5 s in blocks; 6.4 against 6.8 MB).
+  export XZ_OPT="-T0 --block-size=4MiB"
   tar -C "$RUN" --exclude=./proj -cJf "$OUT/gf_logs.tar.xz" . 2>/dev/null
   if [ "$(stat -c %s "$OUT/gf_logs.tar.xz" 2>/dev/null || echo 0)" -gt $(( 15 * 1024 * 1024 )) ]; then
     # Too large to come back: keep stage outputs, JSON and the ends of the server logs.

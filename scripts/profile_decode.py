@@ -32,6 +32,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -253,7 +254,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", "--config", dest="configs", default="ours",
                     help="comma-separated configurations, profiled one after another; "
-                         "NAME:N sends that one N requests instead of --reqs (base holds fewer)")
+                         "NAME:N sends that one N requests instead of --reqs (base holds fewer), "
+                         "and :plateau=S / :join=S give it its own --plateau-s / --join-timeout-s "
+                         "(e.g. native:16:plateau=300:join=130,ours:16,base:2:plateau=15:join=60)")
     ap.add_argument("--synthetic", default=None, metavar="SPEC",
                     help="SGLANG_HISPARSE_SYNTHETIC_TOPK=SPEC in ours/nopark/noio/native (e.g. calibrated)")
     ap.add_argument("--hisparse-config", default=None, metavar="JSON")
@@ -298,18 +301,62 @@ def main(argv=None) -> int:
     # must be named absolutely, as e2e_gpu.py does.
     if Path(args.model).exists():
         args.model = str(Path(args.model).resolve())
+    try:
+        runs = [parse_config_spec(spec, args) for spec in args.configs.split(",")]
+    except ValueError as exc:
+        ap.error(str(exc))
     e2e_gpu.exit_on_sigterm()
     totals: dict = {}
     rc = 0
-    for spec in args.configs.split(","):
-        config, _, reqs = spec.partition(":")
-        totals[spec] = {}
-        rc |= profile_one(args, config, totals[spec], int(reqs) if reqs else args.reqs)
-    if len(totals) > 1:
-        table = side_by_side({c: t for c, t in totals.items() if t})
+    for run in runs:
+        totals[run.label] = {}
+        rc |= profile_one(args, run.config, totals[run.label], run.reqs,
+                          plateau_s=run.plateau_s, join_timeout_s=run.join_timeout_s)
+    profiled = {c: t for c, t in totals.items() if t}  # a failed launch has none
+    if len(profiled) > 1:
+        table = side_by_side(profiled)
         print(table)
         (Path(args.out) / "profile_side_by_side.txt").write_text(table)
     return rc
+
+
+class ConfigRun(NamedTuple):
+    """One entry of --configs: the configuration, its request count and its
+    waits for the running count. The waits differ per configuration at 61
+    layers (2026-12-07-s8: native needed a 300 s plateau and a 130 s join
+    bound, ours 20 s, base 15 s and 60 s), so all three fit one command."""
+    config: str
+    reqs: int
+    plateau_s: float
+    join_timeout_s: float
+
+    @property
+    def label(self) -> str:  # the side-by-side table's column
+        return f"{self.config}:{self.reqs}"
+
+
+def parse_config_spec(spec: str, args) -> ConfigRun:
+    """``NAME[:N][:plateau=S][:join=S]``; what is not given comes from
+    --reqs, --plateau-s and --join-timeout-s."""
+    name, *parts = spec.split(":")
+    if name not in e2e_gpu.CONFIGS:
+        raise ValueError(f"--configs: unknown configuration {name!r} in {spec!r}; "
+                         f"configurations: {', '.join(e2e_gpu.CONFIGS)}")
+    fields = {"reqs": args.reqs, "plateau_s": args.plateau_s, "join_timeout_s": args.join_timeout_s}
+    keys = {"plateau": "plateau_s", "join": "join_timeout_s"}
+    for part in parts:
+        key, eq, value = part.partition("=")
+        try:
+            if not eq and key.isdigit() and int(key) > 0:
+                fields["reqs"] = int(key)
+            elif eq and key in keys and float(value) > 0:
+                fields[keys[key]] = float(value)
+            else:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"--configs: {part!r} in {spec!r} is not a request count (a positive "
+                             f"integer), plateau=S or join=S (S seconds > 0)") from None
+    return ConfigRun(name, **fields)
 
 
 def wait_all_running(log: Path, reqs: int, timeout_s: float, plateau_s: float) -> tuple[float, int]:
@@ -335,7 +382,8 @@ def wait_all_running(log: Path, reqs: int, timeout_s: float, plateau_s: float) -
     return time.time() - t0, best
 
 
-def profile_one(args, config: str, totals: dict, reqs: int) -> int:
+def profile_one(args, config: str, totals: dict, reqs: int, plateau_s: float,
+                join_timeout_s: float) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = f"{config}_{reqs}x{args.prompt}"
@@ -367,7 +415,7 @@ def profile_one(args, config: str, totals: dict, reqs: int) -> int:
         with e2e_gpu.client_gc_paused():
             for t in threads:
                 t.start()
-            joined_s, running = wait_all_running(log, reqs, args.join_timeout_s, args.plateau_s)
+            joined_s, running = wait_all_running(log, reqs, join_timeout_s, plateau_s)
             print(f"[{config}] {running} of {reqs} running after {joined_s:.0f}s", flush=True)
             time.sleep(args.warm_s)
             if args.thread_sample_s > 0:

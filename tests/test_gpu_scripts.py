@@ -462,15 +462,45 @@ def test_end_after_profile_stops_the_server_under_unfinished_requests(
     monkeypatch.setattr(e2e, "exit_on_sigterm", lambda: None)
     monkeypatch.setattr(prof, "post", start_profile)
     monkeypatch.setenv("TMPDIR", str(tmp_path))
+    waits, wait_all_running = [], prof.wait_all_running
+    monkeypatch.setattr(prof, "wait_all_running", lambda log, reqs, timeout_s, plateau_s:
+                        waits.append((timeout_s, plateau_s)) or wait_all_running(log, reqs, timeout_s, plateau_s))
     flags = ["--end-after-profile", "0.1"] if end_after_profile else []
-    rc = prof.main(["--configs", "native:2", "--warm-s", "0", "--steps", "1", "--no-stack",
+    rc = prof.main(["--configs", "native:2:plateau=7:join=9", "--warm-s", "0", "--steps", "1", "--no-stack",
                     "--model", str(tmp_path), "--out", str(tmp_path / "out"), *flags])
     assert rc == 0 and (tmp_path / "out" / "profile_native_2x16000.txt").exists()
+    assert waits == [(9.0, 7.0)]  # the configuration's own waits, not --join-timeout-s / --plateau-s
     assert ended_by_stop == [end_after_profile] * 2
     # The streams that finished reach the gap figures parsed; the ones the
     # stop cut are not counted.
     (measured,) = gap_inputs
     assert [r["output_ids"] for r in measured] == ([] if end_after_profile else [[0, 1, 2]] * 2)
+
+
+def test_each_configuration_waits_for_its_running_count_as_its_spec_says(tmp_path, monkeypatch):
+    # At 61 layers native, ours and base need different waits (-s8: native
+    # a 300 s plateau and a 130 s join bound, ours 20 s, base 15 s / 60 s):
+    # per-configuration waits let them share one device command.
+    prof = _load("profile_decode", SCRIPTS / "profile_decode.py")
+    calls = []
+    monkeypatch.setattr(prof, "profile_one", lambda args, config, totals, reqs, **waits:
+                        calls.append((config, reqs, waits)) or 0)
+    monkeypatch.setattr(prof.e2e_gpu, "exit_on_sigterm", lambda: None)
+    argv = ["--model", str(tmp_path), "--out", str(tmp_path / "out"), "--plateau-s", "20",
+            "--join-timeout-s", "300"]
+    assert prof.main(["--configs", "native:16:plateau=300:join=130,ours:16,base:2:join=60:plateau=15",
+                      *argv]) == 0
+    assert calls == [("native", 16, {"plateau_s": 300.0, "join_timeout_s": 130.0}),
+                     ("ours", 16, {"plateau_s": 20.0, "join_timeout_s": 300.0}),
+                     ("base", 2, {"plateau_s": 15.0, "join_timeout_s": 60.0})]
+    calls.clear()
+    for bad in ("ours:0", "ours:plateau=", "ours:wait=3", "ours:join=-1", "ourz:16", "ours:16:2x"):
+        with pytest.raises(SystemExit):
+            prof.main(["--configs", f"base:2,{bad}", *argv])
+    assert calls == []  # refused before any server starts
+    with pytest.raises(ValueError, match="--configs: 'wait=3' in 'ours:wait=3'.*plateau=S or join=S"):
+        prof.parse_config_spec("ours:wait=3", prof.argparse.Namespace(reqs=1, plateau_s=20.0,
+                                                                       join_timeout_s=300.0))
 
 
 def test_thread_cpu_times_lists_every_thread_of_a_process():
