@@ -462,6 +462,14 @@ def server_cmd(model: str, port: int, config: str, extra: list[str],
         # (2026-12-06-s4, ours on decodebound), so the gaps it measured
         # were between merged events, not between tokens.
         "--incremental-streaming-output",
+        # SGLang's tokenizer manager logs each garbage collection in it
+        # over this long. On 2026-12-07-s10 the streams of ours and hold
+        # paused ~740 ms together at the same token of the same round while
+        # the scheduler's decode log ran on without a gap: something
+        # between the scheduler and the client, in two servers at one
+        # point of an identical history, which a full collection would be.
+        # The logged pauses (log_stats' long_gc_*) say whether it was.
+        "--gc-warning-threshold-secs", "0.1",
     ]
     row = SERVER_CONFIGS[config]
     if not row.spec_flags:
@@ -1267,6 +1275,9 @@ def count_tracebacks(text: str) -> dict:
     return {"benign": benign, "other": text.count("Traceback") - benign}
 
 
+_LONG_GC = re.compile(r"LONG GARBAGE COLLECTION DETECTED \| Generation \d+ \| Duration: (\d+\.?\d*)s")
+
+
 def log_stats(log_path: Path, since: int) -> dict:
     text = log_path.read_text(errors="ignore")[since:]
     running = [int(x) for x in _RUNNING.findall(text)]
@@ -1279,6 +1290,7 @@ def log_stats(log_path: Path, since: int) -> dict:
     read_mib = re.findall(r"host read: ([\d.]+) MiB", text)
     # ours' join wait (prefill end to joining the batch), over the launch so far
     join_wait = re.findall(r"join wait mean/max: ([\d.]+)/([\d.]+) ms", text)
+    long_gc = [float(x) for x in _LONG_GC.findall(text)]
     return {
         "max_running": max(running) if running else None,
         "mean_running": statistics.mean(running) if running else None,
@@ -1289,6 +1301,10 @@ def log_stats(log_path: Path, since: int) -> dict:
         "hisparse_host_read_mib": float(read_mib[-1]) if read_mib else None,
         "join_wait_mean_ms": float(join_wait[-1][0]) if join_wait else None,
         "join_wait_max_ms": float(join_wait[-1][1]) if join_wait else None,
+        # the tokenizer manager's collections over --gc-warning-threshold-secs:
+        # its streams stand still meanwhile, the scheduler does not
+        "long_gc": len(long_gc),
+        "long_gc_max_s": max(long_gc, default=None),
         # requests SGLang retracted for want of KV space (each prefills again)
         "retracted_reqs": sum(int(x) for x in _RETRACTED.findall(text)),
         # tracebacks other than 0.5.13's benign start-up one (0: none). A bare
@@ -1728,7 +1744,8 @@ def measured_run(srv, cfg: str, label: str, w: str, args, log: Path, timer_out) 
           f"hisparse misses {r['hisparse_misses']} (hit rate "
           f"{r['hisparse_hit_rate']}, host read {r['hisparse_host_read_mib']} MiB)"
           + (f", exact checked {r['exact_checked']} mismatch {r['exact_mismatch']}"
-             if args.check else ""),
+             if args.check else "")
+          + (f", long GC {r['long_gc']} (max {r['long_gc_max_s']:.2f} s)" if r.get("long_gc") else ""),
           flush=True)
     return r
 

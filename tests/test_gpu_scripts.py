@@ -1588,6 +1588,41 @@ def test_a_workloads_requests_come_back_in_the_order_sent():
     assert [r["output_ids"][0] for r in res["requests"]] == [600, 3000, 9000, 7000, 8500]
 
 
+def test_long_collections_in_the_tokenizer_manager_are_counted_per_run(tmp_path, caplog):
+    # Every server logs its tokenizer manager's collections over 0.1 s: its
+    # streams stand still meanwhile while the scheduler decodes on, so a gap
+    # the decode log does not show can be told from one it does. The line
+    # comes from SGLang's own callback, so the pattern reads its words.
+    import gc
+    import logging
+    import re
+
+    from sglang.srt.utils import common
+
+    e2e = _load("e2e_gpu", SCRIPTS / "e2e_gpu.py")
+    cmd, _ = e2e.server_cmd("/m", 1, "base", [])
+    assert cmd[cmd.index("--gc-warning-threshold-secs") + 1] == "0.1"
+    before = list(gc.callbacks)
+    try:
+        common.configure_gc_warning(0.0)  # every collection is "long"
+        with caplog.at_level(logging.WARNING, logger=common.logger.name):
+            gc.collect()
+    finally:
+        gc.callbacks[:] = before
+    said = [r.getMessage() for r in caplog.records if "GARBAGE COLLECTION" in r.getMessage()]
+    assert said
+    log = tmp_path / "server.log"
+    log.write_text(_decode_line(16, 0) + "".join(f"[2026-12-07 19:50:09] {m}\n" for m in said[:1])
+                   + _decode_line(16, 0))
+    mark = log.stat().st_size
+    with log.open("a") as f:
+        f.write(f"[2026-12-07 19:50:10] {re.sub(r'Duration: [0-9.]+s', 'Duration: 0.7350s', said[0])}\n")
+    whole, after = e2e.log_stats(log, 0), e2e.log_stats(log, mark)
+    assert whole["long_gc"] == 2 and after["long_gc"] == 1
+    assert after["long_gc_max_s"] == 0.735
+    assert e2e.log_stats(tmp_path / "server.log", log.stat().st_size)["long_gc_max_s"] is None
+
+
 def test_a_stream_of_incremental_events_adds_up():
     """Every server streams with --incremental-streaming-output: each event
     holds its new tokens and their logprobs (several under MTP), the scalars
