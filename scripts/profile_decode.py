@@ -324,7 +324,8 @@ class ConfigRun(NamedTuple):
     """One entry of --configs: the configuration, its request count and its
     waits for the running count. The waits differ per configuration at 61
     layers (2026-12-07-s8: native needed a 300 s plateau and a 130 s join
-    bound, ours 20 s, base 15 s and 60 s), so all three fit one command."""
+    bound, ours 20 s, base 15 s and 60 s); with their own waits they can
+    share one command's set-up."""
     config: str
     reqs: int
     plateau_s: float
