@@ -351,6 +351,13 @@ SYNTHETIC_ENV = "SGLANG_HISPARSE_SYNTHETIC_TOPK"
 # Where --synthetic reaches: this work tree's data plane, and SGLang's own
 # through the plugin's native-mode hook (adapter/native.py).
 SYNTHETIC_CONFIGS = tuple(c for c, s in SERVER_CONFIGS.items() if s.synthetic)
+
+
+def not_the_models_outputs(synthetic) -> tuple[str, ...]:
+    """The configurations whose outputs are not the model's, for summarize:
+    skip-IO always, and under a synthetic top-k every configuration it
+    reaches. A live run and --merge both ask here."""
+    return ("noio",) + (SYNTHETIC_CONFIGS if synthetic else ())
 # The IndexShare prefetch configurations, each compared with sync and noio.
 PREFETCH_CONFIGS = tuple(c for c, s in SERVER_CONFIGS.items() if s.indexshare_row)
 
@@ -1621,8 +1628,8 @@ def main() -> int:
         earlier = json.loads(Path(args.baseline_json).read_text())["runs"]["base"]
         results["base"] = {w: earlier.get(w, []) for w in workloads}
         configs = ["base"] + configs
-    invalid = ("noio",) + (SYNTHETIC_CONFIGS if args.synthetic else ())
-    summary = summarize(results, configs, workloads, args.margin, args.tol, invalid)
+    summary = summarize(results, configs, workloads, args.margin, args.tol,
+                        not_the_models_outputs(args.synthetic))
     decode = summarize_decode(results, configs, workloads)
     indexshare = summarize_indexshare(summary, decode)
     if args.step_timer:
@@ -1921,10 +1928,8 @@ def merge(args) -> int:
     for c in configs:
         for w in workloads:
             results[c].setdefault(w, [])
-    # As main() does: under a synthetic top-k the outputs are not the
-    # model's, so those configurations get no logprob comparison with base.
-    invalid = ("noio",) + (SYNTHETIC_CONFIGS if any(synthetic) else ())
-    summary = summarize(results, configs, workloads, args.margin, args.tol, invalid)
+    summary = summarize(results, configs, workloads, args.margin, args.tol,
+                        not_the_models_outputs(any(synthetic)))
     decode = summarize_decode(results, configs, workloads)
     indexshare = summarize_indexshare(summary, decode)
     checks = summarize_checks(launches)
