@@ -1426,7 +1426,8 @@ def describe_exactness(ex: dict, tol: float) -> str:
             f"{ex['short_identical']}/{ex['short_requests']})")
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (its own function: the tests parse flags with it)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=os.environ.get("TINY_DSV32", ".gpu/tiny-dsv32"))
     ap.add_argument("--configs", default="base,ours")
@@ -1439,6 +1440,9 @@ def main() -> int:
                     help="after every launch, unrecorded: 1 runs each workload once (default); "
                          "2 sends each workload's longest prompt once for 2 tokens (the first "
                          "full-size prefill builds its kernels: see warm_up); 0 nothing")
+    ap.add_argument("--freeze-gc", action="store_true",
+                    help="after the warm-up, POST /freeze_gc to every server (SGLang's advice "
+                         "against its collections' latency jitter; every configuration alike)")
     ap.add_argument("--port", type=int, default=30010)
     ap.add_argument("--margin", type=float, default=0.05)
     ap.add_argument("--tol", type=float, default=0.05)
@@ -1508,6 +1512,11 @@ def main() -> int:
     ap.add_argument("--dry-run", action="store_true",
                     help="launch nothing: print each launch's sglang.launch_server command and the "
                          "environment it adds (the model's architecture decides the flags), then exit")
+    return ap
+
+
+def main() -> int:
+    ap = build_parser()
     args = ap.parse_args()
     args.step_timer = args.step_timer or args.step_profile
     if args.together and args.parallel:
@@ -1671,6 +1680,7 @@ def serve_launch(model: str, port: int, cfg: str, rep: int, flags: list, wenv: d
         record["ready_s"] = ready
         print(f"[{cfg} rep{rep}] ready in {ready:.0f}s", flush=True)
         warm_up(srv.url, ws, args, log)
+        after_warm_up(srv.url, cfg, rep, args, record)
         if args.step_profile and timer_out is not None:
             # The profile restarts at the first batch after this.
             (timer_out / "profile_reset").touch()
@@ -1704,6 +1714,36 @@ def warm_up(url: str, ws: list, args, log: Path) -> None:
         elif args.warmup:
             run_workload(url, w, seed0=7919, max_requests=args.requests,
                          max_new=args.max_new, log_path=log)
+
+
+# SGLang's own advice for its latency jitter: a full collection in the
+# tokenizer manager stops every stream while the scheduler decodes on, and
+# SGLang logs it (--gc-warning-threshold-secs) with "Consider calling the
+# freeze_gc API after sending a few warmup requests". 2026-12-07-s11: the
+# only hold run over the gap target (206 x its median) had one, 0.724 s of
+# generation 2 over 1,167,241 objects; its two runs without one gave 4.9 x
+# and 5.6 x. The endpoint freezes the scheduler's objects too.
+FREEZE_GC_PATH = "/freeze_gc"
+
+
+def freeze_gc(url: str) -> None:
+    """POST ``/freeze_gc`` (``--freeze-gc``, after the warm-up): the
+    objects the server holds then move to Python's permanent generation,
+    which no later collection walks."""
+    req = urllib.request.Request(url + FREEZE_GC_PATH, data=b"{}", method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        resp.read()
+
+
+def after_warm_up(url: str, cfg: str, rep: int, args, record: dict) -> None:
+    """What a launch does once warm, before its measured runs: under
+    ``--freeze-gc`` freezes the server's garbage collector (every
+    configuration alike, so the comparison stays side by side)."""
+    if args.freeze_gc:
+        freeze_gc(url)
+        record["gc_frozen"] = True
+        print(f"[{cfg} rep{rep}] gc frozen", flush=True)
 
 
 def launch_files(args, cfg: str, ws: list, rep: int) -> tuple[Path, Path | None]:
@@ -1826,6 +1866,8 @@ def serve_together(model: str, configs: list[str], port: int, rep: int, flags: l
         for cfg in ready if args.warmup else []:
             turn(cfg)
             warm_up(servers[cfg][0].url, ws, args, servers[cfg][1])
+        for cfg in ready:
+            after_warm_up(servers[cfg][0].url, cfg, rep, args, records[cfg])
         for inner in range(args.inner_repeats):
             for cfg in (ready if inner % 2 == 0 else ready[::-1]):
                 srv, log, timer_out = servers[cfg]

@@ -134,7 +134,10 @@
 #             stream_output, join, staging hand-over and finish stamped,
 #             timeline_*.jsonl there, to read against the client's stamps
 #             with scripts/gap_timeline.py). Run either apart from the
-#             timing rounds.
+#             timing rounds. --freeze-gc: every server's collector frozen
+#             after the warm-up (SGLang's advice; 2026-12-07-s11: the one
+#             hold run over the gap target had a 0.72 s collection in the
+#             tokenizer manager), timed rounds included.
 #             decodelong (4096 out, its own launch): a round of base,
 #             native, ours and noio should take ~240 s on 8 layers (base
 #             ~110 s of it, estimated from 2048 out), ~390 s at

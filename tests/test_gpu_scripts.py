@@ -1623,6 +1623,31 @@ def test_long_collections_in_the_tokenizer_manager_are_counted_per_run(tmp_path,
     assert e2e.log_stats(log, log.stat().st_size)["long_gc_max_s"] is None
 
 
+def test_freeze_gc_posts_to_the_route_sglang_serves_after_the_warm_up():
+    # --freeze-gc follows SGLang's advice against its collections' jitter
+    # (-s11: the one hold run over the gap target had a 0.724 s collection).
+    # The path is one that 0.5.13's HTTP server routes for POST; with the
+    # flag it is sent and the launch record says so, without it nothing is
+    # (when, in both launch paths: test_prefill_warmup_sends_...).
+    from sglang.srt.entrypoints import http_server
+
+    from test_pd_gpu_script import Endpoint, sse
+
+    e2e = _load("e2e_gpu", SCRIPTS / "e2e_gpu.py")
+    routes = {r.path: r.methods for r in http_server.app.routes if hasattr(r, "methods")}
+    assert "POST" in routes[e2e.FREEZE_GC_PATH]
+    ep = Endpoint(lambda body: [sse({"ok": True}), "data: [DONE]"])
+    try:
+        for flag, sent in ((True, [e2e.FREEZE_GC_PATH]), (False, [])):
+            args = e2e.build_parser().parse_args(["--freeze-gc"] if flag else [])
+            record = {}
+            e2e.after_warm_up(ep.url, "hold", 0, args, record)
+            assert ep.paths == sent and record.get("gc_frozen", False) is flag
+            ep.paths.clear()
+    finally:
+        ep.close()
+
+
 def test_a_stream_of_incremental_events_adds_up():
     """Every server streams with --incremental-streaming-output: each event
     holds its new tokens and their logprobs (several under MTP), the scalars
@@ -1757,6 +1782,10 @@ class _StandInServer:
         differs = config == _StandInServer.differs
 
         def answer(body):
+            if "sampling_params" not in body:  # --freeze-gc's POST /freeze_gc
+                _StandInServer.requests.append((config, "freeze_gc", None))
+                yield sse({})
+                return
             n = body["sampling_params"]["max_new_tokens"]
             _StandInServer.requests.append((config, len(body["input_ids"]), n))
             ids = [7] * n
@@ -1909,7 +1938,9 @@ def test_prefill_warmup_sends_each_workload_its_longest_prompt_once(tmp_path, mo
     """--warmup 2: before its measured runs every server prefills the
     workload's longest prompt once, for 2 tokens (the first full-size
     prefill builds its kernels, which the configuration measured first
-    would otherwise pay alone); --warmup 1 runs the whole workload."""
+    would otherwise pay alone); --warmup 1 runs the whole workload. With
+    --freeze-gc (the second) each server's collector is frozen between its
+    warm-up and its measured runs."""
     e2e = _load("e2e_gpu", SCRIPTS / "e2e_gpu.py")
     monkeypatch.setitem(sys.modules, "e2e_gpu", e2e)
     monkeypatch.setattr(e2e, "Server", _StandInServer)
@@ -1924,13 +1955,19 @@ def test_prefill_warmup_sends_each_workload_its_longest_prompt_once(tmp_path, mo
         monkeypatch.setattr(sys, "argv", [
             "e2e_gpu.py", "--model", str(kit), "--configs", "base,ours", "--workloads", "smoke",
             "--warmup", warmup, "--port", "31000", "--out", str(tmp_path / "e2e.json"),
-            "--logs", str(tmp_path / "logs")] + (["--together"] if together else []))
+            "--logs", str(tmp_path / "logs")] + (["--together"] if together else [])
+            + (["--freeze-gc"] if warmup == "1" else []))
         assert e2e.main() == 0
         for cfg in ("base", "ours"):
             got = [(n, k) for c, n, k in _StandInServer.requests if c == cfg]
             k = len(unrecorded)
             assert sorted(got[:k]) == sorted(unrecorded), (warmup, cfg, got)
+            if warmup == "1":
+                assert got[k] == ("freeze_gc", None)
+                k += 1
             assert sorted(got[k:]) == [(n, new) for n in measured]  # the measured run
+        launches = json.loads((tmp_path / "e2e.json").read_text())["launches"]
+        assert [r.get("gc_frozen", False) for r in launches] == [warmup == "1"] * 2
 
 
 def test_move_server_pins_every_thread_of_the_server_group():

@@ -21,10 +21,11 @@ pd = _load("pd_gpu", SCRIPTS / "pd_gpu.py")
 
 
 class Endpoint:
-    """An HTTP /generate that records what it got and answers as told."""
+    """An HTTP /generate that records what it got (body, time, path) and
+    answers as told."""
 
     def __init__(self, answer, delay_s=0.0, status=200):
-        self.bodies, self.times = [], []
+        self.bodies, self.times, self.paths = [], [], []
         ep = self
 
         class H(BaseHTTPRequestHandler):
@@ -36,6 +37,7 @@ class Endpoint:
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 ep.bodies.append(body)
+                ep.paths.append(self.path)
                 ep.times.append(time.time())
                 time.sleep(delay_s)
                 self.send_response(status)
