@@ -351,6 +351,8 @@ SYNTHETIC_ENV = "SGLANG_HISPARSE_SYNTHETIC_TOPK"
 # Where --synthetic reaches: this work tree's data plane, and SGLang's own
 # through the plugin's native-mode hook (adapter/native.py).
 SYNTHETIC_CONFIGS = tuple(c for c, s in SERVER_CONFIGS.items() if s.synthetic)
+# The IndexShare prefetch configurations, each compared with sync and noio.
+PREFETCH_CONFIGS = tuple(c for c, s in SERVER_CONFIGS.items() if s.indexshare_row)
 
 
 def not_the_models_outputs(synthetic) -> tuple[str, ...]:
@@ -358,8 +360,6 @@ def not_the_models_outputs(synthetic) -> tuple[str, ...]:
     skip-IO always, and under a synthetic top-k every configuration it
     reaches. A live run and --merge both ask here."""
     return ("noio",) + (SYNTHETIC_CONFIGS if synthetic else ())
-# The IndexShare prefetch configurations, each compared with sync and noio.
-PREFETCH_CONFIGS = tuple(c for c, s in SERVER_CONFIGS.items() if s.indexshare_row)
 
 PARALLEL_PORT_STRIDE = 7  # gpu_stages.sh probes ports 30010 + 7k
 
@@ -1726,14 +1726,19 @@ def warm_up(url: str, ws: list, args, log: Path) -> None:
 FREEZE_GC_PATH = "/freeze_gc"
 
 
+def post_json(url: str, body: dict, timeout: float = 600) -> str:
+    """One JSON POST to a server endpoint; its answer as text."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return resp.read().decode()
+
+
 def freeze_gc(url: str) -> None:
     """POST ``/freeze_gc`` (``--freeze-gc``, after the warm-up): the
     objects the server holds then move to Python's permanent generation,
     which no later collection walks."""
-    req = urllib.request.Request(url + FREEZE_GC_PATH, data=b"{}", method="POST",
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        resp.read()
+    post_json(url + FREEZE_GC_PATH, {})
 
 
 def after_warm_up(url: str, cfg: str, rep: int, args, record: dict) -> None:

@@ -109,7 +109,7 @@
 #             its own waits, so several share one command's set-up:
 #             GF_DECODE_CONFIGS=ours:16:plateau=20:join=200,base:2:plateau=15:join=60
 #             (~260 s of stage, GF_BUDGET_S ~340; all three with native
-#             need ~480 s of the 515 s a 595 s budget leaves: tight).
+#             took 460 s of the 510 s a 590 s budget leaves, 2026-12-07-s11).
 #   bound     end to end, decode-bound (issue #16's targets, "#16 target"
 #             lines): GF_BOUND_WORKLOADS (decodebound: 16 x 32K x 1024 out,
 #             and lone32k: one 32K request, both at --max-total-tokens 72000,
