@@ -499,7 +499,25 @@ if [ -n "${GF_SGLANG:-}" ]; then
   fi
   use_site "$PIN_SITE"
 fi
-say "   sglang $(python3 -c 'import sglang; print(sglang.__version__, "from", sglang.__path__[0])' 2>&1 | tail -1)"
+# sglang_where: "VERSION from PATH" of the sglang the servers will import
+# (the first on the Python path), read from its dist-info beside the
+# package without importing it. Every command spent ~13 s before its first
+# stage (2026-12-07-s11: "install ... (13 s)"), and the import is likely
+# most of it (not timed there; here, on two cores, 12.9 s against 0.07 s).
+sglang_where() {
+  python3 - <<'PY'
+import importlib.metadata, importlib.util, pathlib
+spec = importlib.util.find_spec("sglang")
+if spec is None or not spec.submodule_search_locations:
+    print("not importable")
+else:
+    pkg = pathlib.Path(spec.submodule_search_locations[0])
+    dists = [d for d in importlib.metadata.distributions(path=[str(pkg.parent)])
+             if (d.metadata["Name"] or "").lower() == "sglang"]
+    print(dists[0].version if dists else "(no dist-info)", "from", pkg)
+PY
+}
+say "   sglang $(sglang_where 2>&1 | tail -1)"
 if declare -F save_jit_cache >/dev/null; then
   # The kit's list plus ~/.tilelang (DeepSeek-V4's mHC kernels, dsv4 stage).
   save_jit_cache() {
@@ -886,7 +904,7 @@ pin_cmd() {
 }
 
 pin_e2e() {  # pin_e2e SUFFIX: one e2e_gpu.py call, its JSON and logs named with SUFFIX
-  python3 -c 'import sglang; print("   sglang", sglang.__version__, "from", sglang.__path__[0])'
+  echo "   sglang $(sglang_where)"
   "${E2E[@]}" --configs "${GF_PIN_CONFIGS:-base,native,ours}" \
     --workloads "${GF_PIN_WORKLOADS:-smoke,concurrent,capacity}" --repeats "${GF_PIN_REPEATS:-1}" \
     --inner-repeats "${GF_PIN_INNER:-3}" "${CPU_ARGS[@]}" \

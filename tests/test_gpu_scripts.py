@@ -1405,6 +1405,34 @@ def test_use_site_points_both_paths_at_one_pin(before):
         assert out == f"{ahead}{site}:/kit/testweights|{site}/_libs:/usr/lib"
 
 
+def test_sglang_where_names_the_pin_the_python_path_imports_without_importing_it(tmp_path):
+    """gpu_stages.sh's sglang_where: the version and folder of the sglang
+    first on the Python path (the one the servers import), read from the
+    dist-info beside that folder, so a pin's site put first (use_site) is
+    the one named, and a site without a dist-info says so."""
+    import subprocess
+
+    import sglang
+
+    function = stage_functions("sglang_where")
+
+    def where(pythonpath: str) -> str:
+        # This interpreter's folder first: its python3 sees the installed pin.
+        env = {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONPATH": pythonpath}
+        return subprocess.run(["bash", "-c", function + "sglang_where"], capture_output=True,
+                              text=True, env=env, check=True).stdout.strip()
+
+    assert where("") == f"{sglang.__version__} from {Path(sglang.__path__[0])}"
+    site = tmp_path / "site-9.9.9"
+    (site / "sglang").mkdir(parents=True)
+    (site / "sglang" / "__init__.py").write_text("raise SystemExit('imported')\n")
+    assert where(str(site)) == f"(no dist-info) from {site / 'sglang'}"
+    info = site / "sglang-9.9.9.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang\nVersion: 9.9.9\n")
+    assert where(str(site)) == f"9.9.9 from {site / 'sglang'}"
+
+
 def test_kbench_runs_the_tables_gf_kbench_names(tmp_path):
     """gpu_stages.sh's kbench_cmd: decode and verify by default, only the
     named tables with GF_KBENCH (overlap: the prefetch replay beside
