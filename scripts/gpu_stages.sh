@@ -500,24 +500,27 @@ if [ -n "${GF_SGLANG:-}" ]; then
   use_site "$PIN_SITE"
 fi
 # sglang_where: "VERSION from PATH" of the sglang the servers will import
-# (the first on the Python path), read from its dist-info beside the
-# package without importing it. Every command spent ~13 s before its first
-# stage (2026-12-07-s11: "install ... (13 s)"), and the import is likely
-# most of it (not timed there; here, on two cores, 12.9 s against 0.07 s).
+# (the first on the Python path), read as the doctor reads it
+# (sglang_hisparse.pinned_source: the dist-info beside the package), so
+# this package must be on the Python path. Not by importing sglang: every
+# command spent ~13 s before its first stage (2026-12-07-s11: "install ...
+# (13 s)"), and the import is likely most of it (not timed there; here, on
+# two cores, 12.9 s against 0.07 s).
 sglang_where() {
   python3 - <<'PY'
-import importlib.metadata, importlib.util, pathlib
-spec = importlib.util.find_spec("sglang")
-if spec is None or not spec.submodule_search_locations:
+from sglang_hisparse.pinned_source import TargetNotFound, installed_sglang_root, sglang_version
+try:
+    root = installed_sglang_root()
+except TargetNotFound:
     print("not importable")
 else:
-    pkg = pathlib.Path(spec.submodule_search_locations[0])
-    dists = [d for d in importlib.metadata.distributions(path=[str(pkg.parent)])
-             if (d.metadata["Name"] or "").lower() == "sglang"]
-    print(dists[0].version if dists else "(no dist-info)", "from", pkg)
+    try:
+        version = sglang_version(root)
+    except TargetNotFound:
+        version = "(no dist-info)"
+    print(version, "from", root / "sglang")
 PY
 }
-say "   sglang $(sglang_where 2>&1 | tail -1)"
 if declare -F save_jit_cache >/dev/null; then
   # The kit's list plus ~/.tilelang (DeepSeek-V4's mHC kernels, dsv4 stage).
   save_jit_cache() {
@@ -535,6 +538,7 @@ if ! python3 scripts/install_tree.py "$PROJ" > "$RUN/install.log" 2>&1; then
 fi
 export PYTHONPATH="$PROJ${PYTHONPATH:+:$PYTHONPATH}"
 say "== install: $(ls -d "$PROJ"/sglang_hisparse-*.dist-info | xargs -n1 basename) into $PROJ ($(elapsed) s)"
+say "   sglang $(sglang_where 2>&1 | tail -1)"
 # Which pin the plugin sees and whether it would install: doctor's verdict.
 # It runs beside the first stage (36 s of imports on the H100 of
 # 2026-12-06-s6, more than the stages' start-up margin of a short command:
